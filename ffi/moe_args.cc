@@ -1,0 +1,147 @@
+#include "moe_args.h"
+
+#include <algorithm>
+#include <sstream>
+#include <vector>
+
+namespace mok {
+
+namespace {
+
+const char* DtypeName(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return "f32";
+    case ffi::DataType::BF16: return "bf16";
+    case ffi::DataType::F16: return "f16";
+    case ffi::DataType::F64: return "f64";
+    case ffi::DataType::S32: return "s32";
+    case ffi::DataType::S64: return "s64";
+    default: return "dtype";
+  }
+}
+
+template <class Dims>
+std::string Describe(ffi::DataType dtype, const Dims& dims) {
+  std::ostringstream s;
+  s << DtypeName(dtype) << "[";
+  const char* sep = "";
+  for (int64_t v : dims) s << sep << v, sep = ", ";
+  s << "]";
+  return s.str();
+}
+
+ffi::Error Invalid(const char* target, const std::string& what) {
+  return ffi::Error::InvalidArgument(std::string(target) + ": " + what);
+}
+
+}  // namespace
+
+std::string DescribeBuffer(ffi::DataType dtype, ffi::AnyBuffer::Dimensions dims) {
+  return Describe(dtype, dims);
+}
+
+int64_t RoutedRows(int64_t routes, int64_t experts, int64_t block_m) {
+  return routes + std::min(experts, routes) * (block_m - 1);
+}
+
+ffi::Error CheckBuffer(const char* target, const char* name, ffi::AnyBuffer b,
+                       ffi::DataType dtype, std::initializer_list<int64_t> shape) {
+  auto dims = b.dimensions();
+  bool same = b.element_type() == dtype && dims.size() == shape.size() &&
+              std::equal(shape.begin(), shape.end(), dims.begin());
+  if (same) return ffi::Error::Success();
+  return Invalid(target, std::string(name) + " must be " + Describe(dtype, shape) + ", got " +
+                             Describe(b.element_type(), dims));
+}
+
+ffi::ErrorOr<MoeDims> CheckInputs(const char* target, const MoeInputs& in, int64_t block_m) {
+  auto x = in.x.dimensions(), experts = in.experts.dimensions(), wg = in.w_gate.dimensions(),
+       wsg = in.ws_gate.dimensions();
+  auto dtype = in.x.element_type();
+  auto fail = [&](const std::string& what) { return ffi::Unexpected(Invalid(target, what)); };
+  if ((dtype != ffi::DataType::F32 && dtype != ffi::DataType::BF16) || x.size() != 2)
+    return fail("x must be bf16 or f32 (T, H), got " + Describe(dtype, x));
+  const std::string H = std::to_string(x[1]);
+  if (experts.size() != 2 || experts[0] != x[0] || experts[1] < 1)
+    return fail("experts must be (T, k) with T = " + std::to_string(x[0]) + " and k >= 1, got " +
+                Describe(in.experts.element_type(), experts));
+  if (wg.size() != 3 || wg[1] != x[1] || wg[0] < 1 || wg[2] < 1)
+    return fail("w_gate must be (E, H, I) with H = " + H + ", got " +
+                Describe(in.w_gate.element_type(), wg));
+  if (wsg.size() != 2 || wsg[0] != x[1])
+    return fail("ws_gate must be (H, Is) with H = " + H + ", got " +
+                Describe(in.ws_gate.element_type(), wsg));
+  if (block_m < 1 || block_m > 256 || (block_m & (block_m - 1)))
+    return fail("block_m must be a power of two in [1, 256], got " + std::to_string(block_m));
+  MoeDims d{x[0], x[1], wg[2], wg[0], experts[1], wsg[1], 0, block_m};
+  d.R = RoutedRows(d.T * d.k, d.E, block_m);
+  const ffi::DataType s32 = ffi::DataType::S32, f32 = ffi::DataType::F32;
+  for (auto err : {CheckBuffer(target, "experts", in.experts, s32, {d.T, d.k}),
+                   CheckBuffer(target, "weights", in.weights, f32, {d.T, d.k}),
+                   CheckBuffer(target, "w_gate", in.w_gate, dtype, {d.E, d.H, d.I}),
+                   CheckBuffer(target, "w_up", in.w_up, dtype, {d.E, d.H, d.I}),
+                   CheckBuffer(target, "w_down", in.w_down, dtype, {d.E, d.I, d.H}),
+                   CheckBuffer(target, "ws_gate", in.ws_gate, dtype, {d.H, d.Is}),
+                   CheckBuffer(target, "ws_up", in.ws_up, dtype, {d.H, d.Is}),
+                   CheckBuffer(target, "ws_down", in.ws_down, dtype, {d.Is, d.H})}) {
+    if (err.failure()) return ffi::Unexpected(err);
+  }
+  return d;
+}
+
+namespace {
+
+ffi::Error CheckResiduals(const char* target, const MoeDims& d, ffi::DataType dtype,
+                          const MoeResiduals& r) {
+  const ffi::DataType s32 = ffi::DataType::S32;
+  for (auto err : {CheckBuffer(target, "pos", r.pos, s32, {d.T, d.k}),
+                   CheckBuffer(target, "offsets", r.offsets, s32, {d.E + 1}),
+                   CheckBuffer(target, "rows", r.rows, s32, {d.R}),
+                   CheckBuffer(target, "gu", r.gu, dtype, {d.R, 2 * d.I}),
+                   CheckBuffer(target, "y_routed", r.y_routed, dtype, {d.R, d.H}),
+                   CheckBuffer(target, "gu_shared", r.gu_shared, dtype, {d.T, 2 * d.Is})}) {
+    if (err.failure()) return err;
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+ffi::Error CheckFwdResults(const MoeDims& d, ffi::DataType dtype, const MoeFwdResults& out) {
+  const char* target = "mok_moe_fwd";
+  auto ydt = out.y.element_type();
+  if (ydt != dtype && ydt != ffi::DataType::F32)
+    return Invalid(target, "y must be of x's dtype or f32, got " +
+                               Describe(ydt, out.y.dimensions()));
+  if (auto err = CheckBuffer(target, "y", out.y, ydt, {d.T, d.H}); err.failure()) return err;
+  return CheckResiduals(target, d, dtype, out.res);
+}
+
+ffi::Error CheckBwdArgs(const MoeDims& d, ffi::DataType dtype, ffi::AnyBuffer dy,
+                        const MoeResiduals& res, const MoeBwdResults& out) {
+  const char* target = "mok_moe_bwd";
+  auto dydt = dy.element_type();
+  if (dydt != dtype && dydt != ffi::DataType::F32)
+    return Invalid(target, "dy must be of x's dtype or f32, got " +
+                               Describe(dydt, dy.dimensions()));
+  if (auto err = CheckBuffer(target, "dy", dy, dydt, {d.T, d.H}); err.failure()) return err;
+  if (auto err = CheckResiduals(target, d, dtype, res); err.failure()) return err;
+  const ffi::DataType f32 = ffi::DataType::F32;
+  for (auto err : {CheckBuffer(target, "dx", out.dx, dtype, {d.T, d.H}),
+                   CheckBuffer(target, "dweights", out.dweights, f32, {d.T, d.k}),
+                   CheckBuffer(target, "dw_gate", out.dw_gate, dtype, {d.E, d.H, d.I}),
+                   CheckBuffer(target, "dw_up", out.dw_up, dtype, {d.E, d.H, d.I}),
+                   CheckBuffer(target, "dw_down", out.dw_down, dtype, {d.E, d.I, d.H}),
+                   CheckBuffer(target, "dws_gate", out.dws_gate, dtype, {d.H, d.Is}),
+                   CheckBuffer(target, "dws_up", out.dws_up, dtype, {d.H, d.Is}),
+                   CheckBuffer(target, "dws_down", out.dws_down, dtype, {d.Is, d.H}),
+                   CheckBuffer(target, "dy_routed", out.dy_routed, dtype, {d.R, d.H}),
+                   CheckBuffer(target, "dgu", out.dgu, dtype, {d.R, 2 * d.I}),
+                   CheckBuffer(target, "dx_routed", out.dx_routed, f32, {d.R, d.H}),
+                   CheckBuffer(target, "dgu_shared", out.dgu_shared, dtype, {d.T, 2 * d.Is})}) {
+    if (err.failure()) return err;
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace mok

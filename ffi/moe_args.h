@@ -1,0 +1,81 @@
+// Decoding and checking of the arguments that the mok_moe_fwd / mok_moe_bwd handlers of every
+// platform share. The Python side (mok_jax/ops.py) checks the same things at trace time; these
+// checks are what a direct caller of the target meets, as ffi::Error, never a crash.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace mok {
+
+namespace ffi = xla::ffi;
+
+// Sizes of one call. R = routed rows (mok_jax.ops.routed_rows).
+struct MoeDims {
+  int64_t T, H, I, E, k, Is, R, block_m;
+};
+
+// The forward's inputs, in target argument order.
+struct MoeInputs {
+  ffi::AnyBuffer x;        // (T, H) bf16|f32
+  ffi::AnyBuffer experts;  // (T, k) s32, local ids; outside [0, E): no contribution
+  ffi::AnyBuffer weights;  // (T, k) f32
+  ffi::AnyBuffer w_gate;   // (E, H, I) like x
+  ffi::AnyBuffer w_up;     // (E, H, I) like x
+  ffi::AnyBuffer w_down;   // (E, I, H) like x
+  ffi::AnyBuffer ws_gate;  // (H, Is) like x; Is = 0: no shared expert
+  ffi::AnyBuffer ws_up;    // (H, Is)
+  ffi::AnyBuffer ws_down;  // (Is, H)
+};
+
+// What the forward saves for the backward (mok_jax.ops.Residuals).
+struct MoeResiduals {
+  ffi::AnyBuffer pos;        // (T, k) s32: routed row of route (t, j), -1 if invalid
+  ffi::AnyBuffer offsets;    // (E + 1) s32: first routed row of expert e, multiple of block_m
+  ffi::AnyBuffer rows;       // (R) s32: route t*k + j of each routed row, -1 for padding
+  ffi::AnyBuffer gu;         // (R, 2I) like x: [x @ w_gate | x @ w_up] before the activation
+  ffi::AnyBuffer y_routed;   // (R, H) like x: unweighted expert output
+  ffi::AnyBuffer gu_shared;  // (T, 2Is) like x
+};
+
+struct MoeFwdResults {
+  ffi::AnyBuffer y;  // (T, H) like x, or f32 (a partial sum reduced further)
+  MoeResiduals res;
+};
+
+struct MoeBwdResults {
+  ffi::AnyBuffer dx;          // (T, H) like x
+  ffi::AnyBuffer dweights;    // (T, k) f32
+  ffi::AnyBuffer dw_gate;     // (E, H, I)
+  ffi::AnyBuffer dw_up;       // (E, H, I)
+  ffi::AnyBuffer dw_down;     // (E, I, H)
+  ffi::AnyBuffer dws_gate;    // (H, Is)
+  ffi::AnyBuffer dws_up;      // (H, Is)
+  ffi::AnyBuffer dws_down;    // (Is, H)
+  ffi::AnyBuffer dy_routed;   // scratch (R, H) like x: w[t, j] * dy[t]
+  ffi::AnyBuffer dgu;         // scratch (R, 2I) like x: [dg | du]
+  ffi::AnyBuffer dx_routed;   // scratch (R, H) f32
+  ffi::AnyBuffer dgu_shared;  // scratch (T, 2Is) like x
+};
+
+// mok_jax.ops.routed_rows: every route plus the block_m alignment padding of each expert.
+int64_t RoutedRows(int64_t routes, int64_t experts, int64_t block_m);
+
+// Checks the inputs and returns the sizes of the call.
+ffi::ErrorOr<MoeDims> CheckInputs(const char* target, const MoeInputs& in, int64_t block_m);
+ffi::Error CheckFwdResults(const MoeDims& d, ffi::DataType dtype, const MoeFwdResults& out);
+// dy is (T, H) of x's dtype or f32; the residuals are as CheckFwdResults wants them.
+ffi::Error CheckBwdArgs(const MoeDims& d, ffi::DataType dtype, ffi::AnyBuffer dy,
+                        const MoeResiduals& res, const MoeBwdResults& out);
+
+// A buffer of the given dtype and shape, or an error naming it: "<target>: pos must be
+// s32[4, 2], got s32[4, 3]".
+ffi::Error CheckBuffer(const char* target, const char* name, ffi::AnyBuffer b,
+                       ffi::DataType dtype, std::initializer_list<int64_t> shape);
+
+std::string DescribeBuffer(ffi::DataType dtype, ffi::AnyBuffer::Dimensions dims);
+
+}  // namespace mok

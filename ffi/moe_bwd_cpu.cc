@@ -1,0 +1,235 @@
+// mok_moe_bwd on the CPU: every gradient from dy and the forward's residuals.
+//
+//   dy_r[p]  = w[t, j] * dy[t]                 dweights[t, j] = <dy[t], y_routed[p]>
+//   dh       = dy_r @ w_down^T                 dw_down_e = h_e^T @ dy_r_e   (h from gu)
+//   dg, du   = SwiGLU backward(g, u, dh)       dw_gate_e = x_e^T @ dg_e, dw_up_e = x_e^T @ du_e
+//   dx_r     = dg @ w_gate^T + du @ w_up^T     dx[t] = sum_j dx_r[pos[t, j]] + shared part
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "cpu_math.h"
+#include "moe_args.h"
+#include "moe_cpu.h"
+
+namespace mok::cpu {
+namespace {
+
+// The layout residuals are addresses: a caller could hand in anything, so check every one
+// before it is used.
+ffi::Error CheckLayout(const MoeDims& d, const int32_t* experts, const MoeResiduals& res) {
+  const int32_t* pos = res.pos.reinterpret_data<int32_t>();
+  const int32_t* offsets = res.offsets.reinterpret_data<int32_t>();
+  const int32_t* rows = res.rows.reinterpret_data<int32_t>();
+  auto bad = [](const std::string& what) {
+    return ffi::Error::InvalidArgument("mok_moe_bwd: residual " + what +
+                                       " is not the forward's layout");
+  };
+  for (int64_t q = 0; q < d.T * d.k; ++q)
+    if (pos[q] < -1 || pos[q] >= d.R) return bad("pos");
+  if (offsets[0] != 0) return bad("offsets");
+  for (int64_t e = 0; e < d.E; ++e)
+    if (offsets[e + 1] < offsets[e] || offsets[e + 1] > d.R) return bad("offsets");
+  for (int64_t r = 0; r < d.R; ++r) {
+    if (rows[r] < -1 || rows[r] >= d.T * d.k) return bad("rows");
+    if (rows[r] >= 0 && (experts[rows[r]] < 0 || experts[rows[r]] >= d.E)) return bad("rows");
+  }
+  return ffi::Error::Success();
+}
+
+template <class S, class D>
+void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
+              const MoeResiduals& res, const MoeBwdResults& out) {
+  const int64_t T = d.T, H = d.H, I = d.I, k = d.k, Is = d.Is;
+  const D* dy = dy_buf.reinterpret_data<D>();
+  const S* x = in.x.reinterpret_data<S>();
+  const float* weights = in.weights.reinterpret_data<float>();
+  const S *wg = in.w_gate.reinterpret_data<S>(), *wu = in.w_up.reinterpret_data<S>(),
+          *wd = in.w_down.reinterpret_data<S>();
+  const int32_t* pos = res.pos.reinterpret_data<int32_t>();
+  const int32_t* offsets = res.offsets.reinterpret_data<int32_t>();
+  const int32_t* rows = res.rows.reinterpret_data<int32_t>();
+  const S* gu = res.gu.reinterpret_data<S>();
+  const S* y_routed = res.y_routed.reinterpret_data<S>();
+  S* dy_r = out.dy_routed.reinterpret_data<S>();
+  S* dgu = out.dgu.reinterpret_data<S>();
+  float* dx_r = out.dx_routed.reinterpret_data<float>();
+  float* dweights = out.dweights.reinterpret_data<float>();
+
+  // Padding rows hold zeros, so that any reduction over a padded tile sees nothing.
+  std::fill(dy_r, dy_r + d.R * H, Store<S>(0.0f));
+  std::fill(dgu, dgu + d.R * 2 * I, Store<S>(0.0f));
+  std::fill(dx_r, dx_r + d.R * H, 0.0f);
+  for (int64_t q = 0; q < T * k; ++q) {
+    int64_t t = q / k, p = pos[q];
+    float dot = 0.0f;
+    if (p >= 0) {
+      for (int64_t h = 0; h < H; ++h) {
+        float g = Load(dy[t * H + h]);
+        dot += g * Load(y_routed[p * H + h]);
+        dy_r[p * H + h] = Store<S>(weights[q] * g);
+      }
+    }
+    dweights[q] = dot;
+  }
+
+  S *dwg = out.dw_gate.reinterpret_data<S>(), *dwu = out.dw_up.reinterpret_data<S>(),
+    *dwd = out.dw_down.reinterpret_data<S>();
+  std::vector<float> acc_d(I * H), acc_g(H * I), acc_u(H * I), h_row(I);
+  for (int64_t e = 0; e < d.E; ++e) {
+    const S *wg_e = wg + e * H * I, *wu_e = wu + e * H * I, *wd_e = wd + e * I * H;
+    std::fill(acc_d.begin(), acc_d.end(), 0.0f);
+    std::fill(acc_g.begin(), acc_g.end(), 0.0f);
+    std::fill(acc_u.begin(), acc_u.end(), 0.0f);
+    // One owner per expert, rows in ascending order: the f32 sums are the same on every run.
+    for (int64_t r = offsets[e]; r < offsets[e + 1]; ++r) {
+      if (rows[r] < 0) continue;
+      const S* gu_row = gu + r * 2 * I;
+      const S* dyr_row = dy_r + r * H;
+      S* dgu_row = dgu + r * 2 * I;
+      for (int64_t i = 0; i < I; ++i) {
+        float g = Load(gu_row[i]), u = Load(gu_row[I + i]);
+        float dh = 0.0f;
+        for (int64_t h = 0; h < H; ++h) dh += Load(dyr_row[h]) * Load(wd_e[i * H + h]);
+        dgu_row[i] = Store<S>(dh * u * SiluGrad(g));
+        dgu_row[I + i] = Store<S>(dh * Silu(g));
+        h_row[i] = Round<S>(Silu(g) * u);
+      }
+      float* dxr_row = dx_r + r * H;
+      const S* x_row = x + rows[r] / k * H;
+      for (int64_t h = 0; h < H; ++h) {
+        float xv = Load(x_row[h]), dx = 0.0f;
+        for (int64_t i = 0; i < I; ++i) {
+          float dg = Load(dgu_row[i]), du = Load(dgu_row[I + i]);
+          dx += dg * Load(wg_e[h * I + i]) + du * Load(wu_e[h * I + i]);
+          acc_g[h * I + i] += xv * dg;
+          acc_u[h * I + i] += xv * du;
+        }
+        dxr_row[h] = dx;
+      }
+      for (int64_t i = 0; i < I; ++i)
+        for (int64_t h = 0; h < H; ++h) acc_d[i * H + h] += h_row[i] * Load(dyr_row[h]);
+    }
+    for (int64_t n = 0; n < H * I; ++n) {
+      dwg[e * H * I + n] = Store<S>(acc_g[n]);
+      dwu[e * H * I + n] = Store<S>(acc_u[n]);
+      dwd[e * I * H + n] = Store<S>(acc_d[n]);
+    }
+  }
+
+  // dx[t] = round(sum_j dx_r[pos[t, j]] in j order + the shared expert's part). The shared
+  // expert is a dense MLP over all T tokens; its weight gradients sum over t in order.
+  const S *wsg = in.ws_gate.reinterpret_data<S>(), *wsu = in.ws_up.reinterpret_data<S>(),
+          *wsd = in.ws_down.reinterpret_data<S>();
+  const S* gu_s = res.gu_shared.reinterpret_data<S>();
+  S* dgu_s = out.dgu_shared.reinterpret_data<S>();
+  S* dx = out.dx.reinterpret_data<S>();
+  std::vector<float> acc(H), sd(Is * H, 0.0f), sg(H * Is, 0.0f), su(H * Is, 0.0f);
+  for (int64_t t = 0; t < T; ++t) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t j = 0; j < k; ++j) {
+      int64_t p = pos[t * k + j];
+      if (p < 0) continue;
+      for (int64_t h = 0; h < H; ++h) acc[h] += dx_r[p * H + h];
+    }
+    const S* gu_row = gu_s + t * 2 * Is;
+    S* dgu_row = dgu_s + t * 2 * Is;
+    for (int64_t i = 0; i < Is; ++i) {
+      float g = Load(gu_row[i]), u = Load(gu_row[Is + i]);
+      float dh = 0.0f, a = Round<S>(Silu(g) * u);
+      for (int64_t h = 0; h < H; ++h) {
+        float dyv = Load(dy[t * H + h]);
+        dh += dyv * Load(wsd[i * H + h]);
+        sd[i * H + h] += a * dyv;
+      }
+      dgu_row[i] = Store<S>(dh * u * SiluGrad(g));
+      dgu_row[Is + i] = Store<S>(dh * Silu(g));
+    }
+    for (int64_t h = 0; h < H && Is > 0; ++h) {
+      float xv = Load(x[t * H + h]), dxs = 0.0f;
+      for (int64_t i = 0; i < Is; ++i) {
+        float dg = Load(dgu_row[i]), du = Load(dgu_row[Is + i]);
+        dxs += dg * Load(wsg[h * Is + i]) + du * Load(wsu[h * Is + i]);
+        sg[h * Is + i] += xv * dg;
+        su[h * Is + i] += xv * du;
+      }
+      acc[h] += dxs;
+    }
+    for (int64_t h = 0; h < H; ++h) dx[t * H + h] = Store<S>(acc[h]);
+  }
+  S *dwsg = out.dws_gate.reinterpret_data<S>(), *dwsu = out.dws_up.reinterpret_data<S>(),
+    *dwsd = out.dws_down.reinterpret_data<S>();
+  for (int64_t n = 0; n < H * Is; ++n) {
+    dwsg[n] = Store<S>(sg[n]);
+    dwsu[n] = Store<S>(su[n]);
+    dwsd[n] = Store<S>(sd[n]);
+  }
+}
+
+ffi::Error MoeBwd(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer experts,
+                  ffi::AnyBuffer weights, ffi::AnyBuffer w_gate, ffi::AnyBuffer w_up,
+                  ffi::AnyBuffer w_down, ffi::AnyBuffer ws_gate, ffi::AnyBuffer ws_up,
+                  ffi::AnyBuffer ws_down, ffi::AnyBuffer pos, ffi::AnyBuffer offsets,
+                  ffi::AnyBuffer rows, ffi::AnyBuffer gu, ffi::AnyBuffer y_routed,
+                  ffi::AnyBuffer gu_shared, ffi::Result<ffi::AnyBuffer> dx,
+                  ffi::Result<ffi::AnyBuffer> dweights, ffi::Result<ffi::AnyBuffer> dw_gate,
+                  ffi::Result<ffi::AnyBuffer> dw_up, ffi::Result<ffi::AnyBuffer> dw_down,
+                  ffi::Result<ffi::AnyBuffer> dws_gate, ffi::Result<ffi::AnyBuffer> dws_up,
+                  ffi::Result<ffi::AnyBuffer> dws_down, ffi::Result<ffi::AnyBuffer> dy_routed,
+                  ffi::Result<ffi::AnyBuffer> dgu, ffi::Result<ffi::AnyBuffer> dx_routed,
+                  ffi::Result<ffi::AnyBuffer> dgu_shared, int64_t block_m) {
+  MoeInputs in{x, experts, weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down};
+  MoeResiduals res{pos, offsets, rows, gu, y_routed, gu_shared};
+  MoeBwdResults out{*dx,       *dweights,  *dw_gate, *dw_up, *dw_down,   *dws_gate,
+                    *dws_up,   *dws_down,  *dy_routed, *dgu, *dx_routed, *dgu_shared};
+  auto dims = CheckInputs("mok_moe_bwd", in, block_m);
+  if (dims.has_error()) return dims.error();
+  auto dtype = x.element_type();
+  if (auto err = CheckBwdArgs(*dims, dtype, dy, res, out); err.failure()) return err;
+  if (auto err = CheckLayout(*dims, experts.reinterpret_data<int32_t>(), res); err.failure())
+    return err;
+  bool dy_f32 = dy.element_type() == ffi::DataType::F32;
+  if (dtype == ffi::DataType::F32) {
+    Backward<float, float>(*dims, dy, in, res, out);
+  } else if (dy_f32) {
+    Backward<bf16_bits, float>(*dims, dy, in, res, out);
+  } else {
+    Backward<bf16_bits, bf16_bits>(*dims, dy, in, res, out);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace mok::cpu
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MokMoeBwdCpu, mok::cpu::MoeBwd,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()  // dy (T, H) like x or f32
+                                  .Arg<xla::ffi::AnyBuffer>()  // x (T, H)
+                                  .Arg<xla::ffi::AnyBuffer>()  // experts (T, k) s32
+                                  .Arg<xla::ffi::AnyBuffer>()  // weights (T, k) f32
+                                  .Arg<xla::ffi::AnyBuffer>()  // w_gate (E, H, I)
+                                  .Arg<xla::ffi::AnyBuffer>()  // w_up (E, H, I)
+                                  .Arg<xla::ffi::AnyBuffer>()  // w_down (E, I, H)
+                                  .Arg<xla::ffi::AnyBuffer>()  // ws_gate (H, Is)
+                                  .Arg<xla::ffi::AnyBuffer>()  // ws_up (H, Is)
+                                  .Arg<xla::ffi::AnyBuffer>()  // ws_down (Is, H)
+                                  .Arg<xla::ffi::AnyBuffer>()  // pos (T, k) s32
+                                  .Arg<xla::ffi::AnyBuffer>()  // offsets (E + 1) s32
+                                  .Arg<xla::ffi::AnyBuffer>()  // rows (R) s32
+                                  .Arg<xla::ffi::AnyBuffer>()  // gu (R, 2I)
+                                  .Arg<xla::ffi::AnyBuffer>()  // y_routed (R, H)
+                                  .Arg<xla::ffi::AnyBuffer>()  // gu_shared (T, 2Is)
+                                  .Ret<xla::ffi::AnyBuffer>()  // dx (T, H)
+                                  .Ret<xla::ffi::AnyBuffer>()  // dweights (T, k) f32
+                                  .Ret<xla::ffi::AnyBuffer>()  // dw_gate (E, H, I)
+                                  .Ret<xla::ffi::AnyBuffer>()  // dw_up (E, H, I)
+                                  .Ret<xla::ffi::AnyBuffer>()  // dw_down (E, I, H)
+                                  .Ret<xla::ffi::AnyBuffer>()  // dws_gate (H, Is)
+                                  .Ret<xla::ffi::AnyBuffer>()  // dws_up (H, Is)
+                                  .Ret<xla::ffi::AnyBuffer>()  // dws_down (Is, H)
+                                  .Ret<xla::ffi::AnyBuffer>()  // scratch dy_routed (R, H)
+                                  .Ret<xla::ffi::AnyBuffer>()  // scratch dgu (R, 2I)
+                                  .Ret<xla::ffi::AnyBuffer>()  // scratch dx_routed (R, H) f32
+                                  .Ret<xla::ffi::AnyBuffer>()  // scratch dgu_shared (T, 2Is)
+                                  .Attr<int64_t>("block_m"));

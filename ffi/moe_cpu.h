@@ -1,0 +1,8 @@
+// The C++ CPU reference targets (platform "cpu"): the same contract as the CUDA kernels, in
+// plain loops, so that CI without a GPU exercises the FFI plumbing, residuals and VJP wiring.
+#pragma once
+
+#include "xla/ffi/api/ffi.h"
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MokMoeFwdCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MokMoeBwdCpu);

@@ -1,0 +1,156 @@
+// mok_moe_fwd on the CPU: layout, expert MLPs, weighted combine, shared expert.
+#include <algorithm>
+#include <vector>
+
+#include "cpu_math.h"
+#include "moe_args.h"
+#include "moe_cpu.h"
+
+namespace mok::cpu {
+namespace {
+
+// Histogram of valid routes per expert, offsets padded to block_m, and positions in ascending
+// (t, j) order within each expert: the layout the CUDA layout kernel produces.
+void Layout(const MoeDims& d, const int32_t* experts, int32_t* pos, int32_t* offsets,
+            int32_t* rows) {
+  const int64_t routes = d.T * d.k;
+  std::vector<int64_t> next(d.E, 0);
+  for (int64_t q = 0; q < routes; ++q) {
+    int32_t e = experts[q];
+    if (e >= 0 && e < d.E) ++next[e];
+  }
+  offsets[0] = 0;
+  for (int64_t e = 0; e < d.E; ++e) {
+    int64_t padded = (next[e] + d.block_m - 1) / d.block_m * d.block_m;
+    next[e] = offsets[e];
+    offsets[e + 1] = int32_t(offsets[e] + padded);
+  }
+  std::fill(rows, rows + d.R, -1);
+  for (int64_t q = 0; q < routes; ++q) {
+    int32_t e = experts[q];
+    bool valid = e >= 0 && e < d.E;
+    pos[q] = valid ? int32_t(next[e]++) : -1;
+    if (valid) rows[pos[q]] = int32_t(q);
+  }
+}
+
+// y_row = round_S(silu(g) * u) @ w_down, f32 accumulation; g, u and y_row also rounded to S.
+template <class S>
+void ExpertMlp(int64_t H, int64_t I, const S* x_row, const S* wg, const S* wu, const S* wd,
+               S* gu_row, float* y_row, std::vector<float>& g, std::vector<float>& u) {
+  std::fill(g.begin(), g.end(), 0.0f);
+  std::fill(u.begin(), u.end(), 0.0f);
+  for (int64_t h = 0; h < H; ++h) {
+    float xv = Load(x_row[h]);
+    for (int64_t i = 0; i < I; ++i) {
+      g[i] += xv * Load(wg[h * I + i]);
+      u[i] += xv * Load(wu[h * I + i]);
+    }
+  }
+  std::fill(y_row, y_row + H, 0.0f);
+  for (int64_t i = 0; i < I; ++i) {
+    gu_row[i] = Store<S>(g[i]);
+    gu_row[I + i] = Store<S>(u[i]);
+    float a = Round<S>(Silu(g[i]) * u[i]);
+    for (int64_t h = 0; h < H; ++h) y_row[h] += a * Load(wd[i * H + h]);
+  }
+}
+
+template <class S, class Y>
+void Forward(const MoeDims& d, const MoeInputs& in, const MoeFwdResults& out) {
+  const int64_t T = d.T, H = d.H, I = d.I, k = d.k, Is = d.Is;
+  const S* x = in.x.reinterpret_data<S>();
+  const int32_t* experts = in.experts.reinterpret_data<int32_t>();
+  const float* weights = in.weights.reinterpret_data<float>();
+  const S *wg = in.w_gate.reinterpret_data<S>(), *wu = in.w_up.reinterpret_data<S>(),
+          *wd = in.w_down.reinterpret_data<S>();
+  int32_t* pos = out.res.pos.reinterpret_data<int32_t>();
+  int32_t* rows = out.res.rows.reinterpret_data<int32_t>();
+  S* gu = out.res.gu.reinterpret_data<S>();
+  S* y_routed = out.res.y_routed.reinterpret_data<S>();
+  Y* y = out.y.reinterpret_data<Y>();
+
+  Layout(d, experts, pos, out.res.offsets.reinterpret_data<int32_t>(), rows);
+  std::vector<float> g(std::max(I, Is)), u(std::max(I, Is)), acc(H);
+  for (int64_t r = 0; r < d.R; ++r) {
+    S* gu_row = gu + r * 2 * I;
+    S* yr_row = y_routed + r * H;
+    if (rows[r] < 0) {  // padding: defined zeros, never read by the combine
+      std::fill(gu_row, gu_row + 2 * I, Store<S>(0.0f));
+      std::fill(yr_row, yr_row + H, Store<S>(0.0f));
+      continue;
+    }
+    int64_t t = rows[r] / k, e = experts[rows[r]];
+    ExpertMlp<S>(H, I, x + t * H, wg + e * H * I, wu + e * H * I, wd + e * I * H, gu_row,
+                 acc.data(), g, u);
+    for (int64_t h = 0; h < H; ++h) yr_row[h] = Store<S>(acc[h]);
+  }
+  const S *wsg = in.ws_gate.reinterpret_data<S>(), *wsu = in.ws_up.reinterpret_data<S>(),
+          *wsd = in.ws_down.reinterpret_data<S>();
+  S* gu_shared = out.res.gu_shared.reinterpret_data<S>();
+  std::vector<float> shared_out(H);
+  for (int64_t t = 0; t < T; ++t) {
+    // The k routes in j order, then the shared expert's f32 output (as the XLA backend adds it).
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t j = 0; j < k; ++j) {
+      int32_t p = pos[t * k + j];
+      if (p < 0) continue;
+      float w = weights[t * k + j];
+      const S* yr_row = y_routed + int64_t{p} * H;
+      for (int64_t h = 0; h < H; ++h) acc[h] += w * Load(yr_row[h]);
+    }
+    if (Is > 0) {
+      ExpertMlp<S>(H, Is, x + t * H, wsg, wsu, wsd, gu_shared + t * 2 * Is, shared_out.data(),
+                   g, u);
+      for (int64_t h = 0; h < H; ++h) acc[h] += shared_out[h];
+    }
+    for (int64_t h = 0; h < H; ++h) y[t * H + h] = Store<Y>(acc[h]);
+  }
+}
+
+ffi::Error MoeFwd(ffi::AnyBuffer x, ffi::AnyBuffer experts, ffi::AnyBuffer weights,
+                  ffi::AnyBuffer w_gate, ffi::AnyBuffer w_up, ffi::AnyBuffer w_down,
+                  ffi::AnyBuffer ws_gate, ffi::AnyBuffer ws_up, ffi::AnyBuffer ws_down,
+                  ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> pos,
+                  ffi::Result<ffi::AnyBuffer> offsets, ffi::Result<ffi::AnyBuffer> rows,
+                  ffi::Result<ffi::AnyBuffer> gu, ffi::Result<ffi::AnyBuffer> y_routed,
+                  ffi::Result<ffi::AnyBuffer> gu_shared, int64_t block_m) {
+  MoeInputs in{x, experts, weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down};
+  MoeFwdResults out{*y, {*pos, *offsets, *rows, *gu, *y_routed, *gu_shared}};
+  auto dims = CheckInputs("mok_moe_fwd", in, block_m);
+  if (dims.has_error()) return dims.error();
+  auto dtype = x.element_type();
+  if (auto err = CheckFwdResults(*dims, dtype, out); err.failure()) return err;
+  bool y_f32 = out.y.element_type() == ffi::DataType::F32;
+  if (dtype == ffi::DataType::F32) {
+    Forward<float, float>(*dims, in, out);
+  } else if (y_f32) {
+    Forward<bf16_bits, float>(*dims, in, out);
+  } else {
+    Forward<bf16_bits, bf16_bits>(*dims, in, out);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace mok::cpu
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MokMoeFwdCpu, mok::cpu::MoeFwd,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()  // x (T, H)
+                                  .Arg<xla::ffi::AnyBuffer>()  // experts (T, k) s32
+                                  .Arg<xla::ffi::AnyBuffer>()  // weights (T, k) f32
+                                  .Arg<xla::ffi::AnyBuffer>()  // w_gate (E, H, I)
+                                  .Arg<xla::ffi::AnyBuffer>()  // w_up (E, H, I)
+                                  .Arg<xla::ffi::AnyBuffer>()  // w_down (E, I, H)
+                                  .Arg<xla::ffi::AnyBuffer>()  // ws_gate (H, Is)
+                                  .Arg<xla::ffi::AnyBuffer>()  // ws_up (H, Is)
+                                  .Arg<xla::ffi::AnyBuffer>()  // ws_down (Is, H)
+                                  .Ret<xla::ffi::AnyBuffer>()  // y (T, H)
+                                  .Ret<xla::ffi::AnyBuffer>()  // pos (T, k) s32
+                                  .Ret<xla::ffi::AnyBuffer>()  // offsets (E + 1) s32
+                                  .Ret<xla::ffi::AnyBuffer>()  // rows (R) s32
+                                  .Ret<xla::ffi::AnyBuffer>()  // gu (R, 2I)
+                                  .Ret<xla::ffi::AnyBuffer>()  // y_routed (R, H)
+                                  .Ret<xla::ffi::AnyBuffer>()  // gu_shared (T, 2Is)
+                                  .Attr<int64_t>("block_m"));

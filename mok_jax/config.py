@@ -1,0 +1,25 @@
+"""Kernel knobs of `mok_jax.moe`, as one frozen (hashable, jit-static) dataclass."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Knobs of the FFI backends (`ffi`, `cuda`); the `xla` backend ignores them.
+
+  Attributes:
+    block_m: rows of one expert tile. The routed rows of each expert start at a multiple of
+      `block_m` in the expert-sorted buffers, so that a tile never spans two experts; the
+      buffers therefore hold `routed_rows(T * k, E, block_m)` rows (see `mok_jax.ops`). The C++
+      CPU target uses the same layout as the CUDA kernel so that CI checks it. A power of two
+      in [1, 256]; the CUDA kernel needs 128.
+  """
+
+  block_m: int = 128
+
+  def __post_init__(self):
+    b = self.block_m
+    if not isinstance(b, int) or isinstance(b, bool) or b < 1 or b > 256 or b & (b - 1):
+      raise ValueError(f"Config.block_m must be a power of two in [1, 256], got {b!r}")

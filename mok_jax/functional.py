@@ -1,0 +1,202 @@
+"""The public operations: `route` and `moe` (the custom-VJP composition of the FFI targets).
+
+`moe` validates its arguments at trace time, picks a backend, and, under `shard_map` with
+`axis_name`, runs expert parallelism: every rank gathers the tokens and routes of the group,
+computes what its own experts contribute, and the partial outputs are reduce-scattered back to
+the tokens' home ranks. Every backend does this the same way; no capacity factor is involved.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from mok_jax import ops, reference
+from mok_jax.config import Config
+
+BACKENDS = ("auto", "xla", "ffi", "cuda")
+SCORES = ("softmax", "sigmoid")
+
+
+def route(logits, top_k, *, score="softmax", renormalize=True, n_groups=None, topk_groups=None,
+          bias=None):
+  """Picks top_k experts per token from router logits.
+
+  Args:
+    logits: (..., E) router logits, any float dtype; scores are computed in f32.
+    top_k: experts per token, 1 <= top_k <= E.
+    score: "softmax" (over E) or "sigmoid" (per expert).
+    renormalize: divide the k weights of a token by (their sum + 1e-20).
+    n_groups, topk_groups: DeepSeek-V3 group-limited routing. Experts form n_groups contiguous
+      groups; a group's score is the sum of its two highest biased scores (its highest when a
+      group has one expert); experts outside the best topk_groups groups are not selectable.
+    bias: optional (E,) selection bias (aux-loss-free balancing). It changes which experts are
+      picked; the returned weights are the unbiased scores. No gradient flows into it.
+
+  Returns:
+    experts: (..., top_k) int32 ids, in descending order of biased score (ties: lower id first).
+    weights: (..., top_k) f32, differentiable in logits.
+  """
+  logits = jnp.asarray(logits)
+  if logits.ndim < 1 or not jnp.issubdtype(logits.dtype, jnp.floating):
+    raise ValueError(f"route: logits must be a float array (..., E), got {logits.dtype} "
+                     f"{logits.shape}")
+  E = logits.shape[-1]
+  if not isinstance(top_k, int) or not 1 <= top_k <= E:
+    raise ValueError(f"route: top_k must be an int in [1, E={E}], got {top_k!r}")
+  if score not in SCORES:
+    raise ValueError(f"route: score must be one of {SCORES}, got {score!r}")
+  logits = logits.astype(jnp.float32)
+  scores = jax.nn.softmax(logits, axis=-1) if score == "softmax" else jax.nn.sigmoid(logits)
+  select = scores
+  if bias is not None:
+    bias = jnp.asarray(bias)
+    if bias.shape != (E,):
+      raise ValueError(f"route: bias must have shape (E,) = ({E},), got {bias.shape}")
+    select = select + jax.lax.stop_gradient(bias.astype(jnp.float32))
+  if (n_groups is None) != (topk_groups is None):
+    raise ValueError("route: n_groups and topk_groups go together; got "
+                     f"n_groups={n_groups!r}, topk_groups={topk_groups!r}")
+  if n_groups is not None:
+    select = _limit_to_groups(select, top_k, n_groups, topk_groups)
+  _, experts = jax.lax.top_k(jax.lax.stop_gradient(select), top_k)
+  weights = jnp.take_along_axis(scores, experts, axis=-1)
+  if renormalize:
+    weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+  return experts.astype(jnp.int32), weights
+
+
+def _limit_to_groups(select, top_k, n_groups, topk_groups):
+  E = select.shape[-1]
+  if not isinstance(n_groups, int) or n_groups < 1 or E % n_groups:
+    raise ValueError(f"route: n_groups must be a positive int dividing E={E}, got {n_groups!r}")
+  if not isinstance(topk_groups, int) or not 1 <= topk_groups <= n_groups:
+    raise ValueError(f"route: topk_groups must be an int in [1, n_groups={n_groups}], got "
+                     f"{topk_groups!r}")
+  size = E // n_groups
+  if top_k > topk_groups * size:
+    raise ValueError(f"route: top_k={top_k} exceeds the {topk_groups * size} experts of "
+                     f"topk_groups={topk_groups} groups of {size}")
+  grouped = select.reshape(*select.shape[:-1], n_groups, size)
+  group_score = jax.lax.top_k(grouped, min(2, size))[0].sum(axis=-1)
+  _, best = jax.lax.top_k(jax.lax.stop_gradient(group_score), topk_groups)
+  keep = jnp.any(best[..., :, None] == jnp.arange(n_groups), axis=-2)
+  return jnp.where(keep[..., None], grouped, -jnp.inf).reshape(select.shape)
+
+
+def moe(x, experts, weights, w_gate, w_up, w_down, *, shared=None, axis_name=None, config=None,
+        backend="auto"):
+  """The MoE layer: y[t] = shared(x[t]) + sum_j weights[t, j] * expert_{experts[t, j]}(x[t]).
+
+  expert_e(v) = (silu(v @ w_gate[e]) * (v @ w_up[e])) @ w_down[e]; shared(v) is the same MLP
+  with the shared weights, or 0. Products accumulate in f32; the SwiGLU activation and each
+  route's expert output are rounded to x's dtype; y is rounded once, at the end.
+
+  Args:
+    x: (T, H) tokens of this rank, bfloat16 or float32.
+    experts: (T, k) integer global expert ids. An id outside [0, E) contributes nothing.
+    weights: (T, k) float combine weights (used in f32).
+    w_gate, w_up: (E_local, H, I); w_down: (E_local, I, H); dtype of x.
+    shared: None or (ws_gate (H, Is), ws_up (H, Is), ws_down (Is, H)), dtype of x.
+    axis_name: None, or the `shard_map` axis over which experts are sharded: with P ranks,
+      E = P * E_local and global expert e lives on rank e // E_local.
+    config: `mok_jax.Config` knobs for the FFI backends (default: `Config()`).
+    backend: "auto" (the CUDA kernel where device, dtype and shapes allow it, else "xla"),
+      "xla" (pure JAX, any device), "ffi" (this project's FFI targets: the C++ reference on CPU,
+      the CUDA kernel on GPU), "cuda" (the CUDA kernel, or an error saying why it cannot run).
+
+  Returns:
+    y: (T, H), dtype of x. Differentiable in x, weights and every weight tensor.
+  """
+  if config is None:
+    config = Config()
+  elif not isinstance(config, Config):
+    raise ValueError(f"moe: config must be a mok_jax.Config, got {type(config).__name__}")
+  n_ranks = 1 if axis_name is None else jax.lax.axis_size(axis_name)
+  experts, weights = jnp.asarray(experts), jnp.asarray(weights)
+  dims = ops.check_moe_args(x, experts, weights, w_gate, w_up, w_down, shared)
+  if not jnp.issubdtype(experts.dtype, jnp.integer):
+    raise ValueError(f"moe: experts must be an integer array, got {experts.dtype}")
+  if not jnp.issubdtype(weights.dtype, jnp.floating):
+    raise ValueError(f"moe: weights must be a float array, got {weights.dtype}")
+  E = n_ranks * dims.E
+  if dims.k > E:
+    raise ValueError(f"moe: top_k = experts.shape[1] = {dims.k} exceeds the number of experts "
+                     f"E = {E} ({n_ranks} rank(s) x {dims.E} local)")
+  impl = _local_impl(backend, x.dtype, dims, config)
+  weights = weights.astype(jnp.float32)
+  if axis_name is None:
+    return impl(x, _local_ids(experts, 0, dims.E), weights, w_gate, w_up, w_down, shared,
+                out_dtype=x.dtype)
+  # Expert parallelism with JAX collectives. Each rank sees all tokens of the group; routes to
+  # other ranks' experts become invalid local ids. The partial outputs are summed in f32 and the
+  # single rounding happens after the reduce-scatter.
+  gather = functools.partial(jax.lax.all_gather, axis_name=axis_name, tiled=True)
+  first = jax.lax.axis_index(axis_name) * dims.E
+  y = impl(gather(x), _local_ids(gather(experts), first, dims.E), gather(weights), w_gate, w_up,
+           w_down, None, out_dtype=jnp.float32)
+  y = jax.lax.psum_scatter(y, axis_name, scatter_dimension=0, tiled=True)
+  if shared is not None:
+    y = y + reference.shared_mlp(x, shared)
+  return y.astype(x.dtype)
+
+
+def _local_ids(experts, first, n_local):
+  """int32 ids local to the experts [first, first + n_local); -1 for every other id.
+
+  Comparing before the cast keeps an int64 id such as 2**32 + 3 from wrapping onto expert 3.
+  """
+  local = experts - first
+  mine = (experts >= first) & (local < n_local)
+  return jnp.where(mine, local, -1).astype(jnp.int32)
+
+
+def _local_impl(backend, dtype, dims, config):
+  """The single-rank implementation for `backend`: reference.moe_local or the FFI targets."""
+  if backend not in BACKENDS:
+    raise ValueError(f"moe: backend must be one of {BACKENDS}, got {backend!r}")
+  if backend == "xla":
+    return reference.moe_local
+  platform = jax.default_backend()
+  cuda_problem = ops.cuda_unsupported_reason(platform, dtype, dims, config)
+  if backend == "auto":
+    return reference.moe_local if cuda_problem else functools.partial(_moe_ffi, config=config)
+  if backend == "cuda" and cuda_problem:
+    raise ValueError(f"moe: backend='cuda' cannot run: {cuda_problem}")
+  if backend == "ffi":
+    if platform == "cpu":
+      ops.check_ffi_dtype(dtype)
+    elif cuda_problem:
+      raise ValueError(f"moe: backend='ffi' on platform {platform!r} cannot run: {cuda_problem}")
+  return functools.partial(_moe_ffi, config=config)
+
+
+def _moe_ffi(x, experts, weights, w_gate, w_up, w_down, shared, *, out_dtype, config):
+  return _moe_ffi_vjp(jnp.dtype(out_dtype), config, x, experts, weights, w_gate, w_up, w_down,
+                      shared)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _moe_ffi_vjp(out_dtype, config, x, experts, weights, w_gate, w_up, w_down, shared):
+  y, _ = ops.moe_fwd(x, experts, weights, w_gate, w_up, w_down, shared, out_dtype=out_dtype,
+                     block_m=config.block_m)
+  return y
+
+
+def _moe_ffi_fwd(out_dtype, config, x, experts, weights, w_gate, w_up, w_down, shared):
+  y, residuals = ops.moe_fwd(x, experts, weights, w_gate, w_up, w_down, shared,
+                             out_dtype=out_dtype, block_m=config.block_m)
+  return y, (x, experts, weights, w_gate, w_up, w_down, shared, residuals)
+
+
+def _moe_ffi_bwd(out_dtype, config, saved, dy):
+  del out_dtype
+  x, experts, weights, w_gate, w_up, w_down, shared, residuals = saved
+  grads = ops.moe_bwd(dy, x, experts, weights, w_gate, w_up, w_down, shared, residuals,
+                      block_m=config.block_m)
+  return (grads.x, None, grads.weights, grads.w_gate, grads.w_up, grads.w_down, grads.shared)
+
+
+_moe_ffi_vjp.defvjp(_moe_ffi_fwd, _moe_ffi_bwd)

@@ -1,0 +1,244 @@
+"""One thin `jax.ffi.ffi_call` wrapper per FFI target, each checking its inputs at trace time.
+
+Targets (registered under the same names for platform "cpu", the C++ reference in ffi/*_cpu.cc,
+and "CUDA", the kernels):
+
+  mok_moe_fwd   the layer forward over the experts held here; returns y and the residuals
+  mok_moe_bwd   all gradients from dy and those residuals
+
+The routed buffers are expert-sorted: expert e's routes occupy rows [offsets[e], offsets[e] +
+count_e) in ascending (t, j) order, and offsets[e] is a multiple of block_m. Their row count is
+`routed_rows(T * k, E, block_m)`, the most any routing can need, so nothing is ever dropped.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mok_jax import _mok_cpu
+
+try:
+  from mok_jax import _mok_cuda
+except ImportError:  # built without a CUDA compiler, or MOK_CUDA=OFF
+  _mok_cuda = None
+
+for _name, _capsule in _mok_cpu.registrations().items():
+  jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
+if _mok_cuda is not None:
+  for _name, _capsule in _mok_cuda.registrations().items():
+    jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
+
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+CUDA_DTYPE = jnp.dtype(jnp.bfloat16)
+CUDA_MAX_EXPERTS = 512
+CUDA_DIM_MULTIPLE = 64
+CUDA_BLOCK_M = 128
+
+
+class MoeDims(NamedTuple):
+  T: int  # tokens
+  H: int  # model width
+  I: int  # expert intermediate width
+  E: int  # experts held here
+  k: int  # routes per token
+  Is: int  # shared-expert intermediate width, 0 without one
+
+
+class Residuals(NamedTuple):
+  """What mok_moe_fwd saves for mok_moe_bwd. R = routed_rows(T * k, E, block_m)."""
+
+  pos: jax.Array  # (T, k) int32: routed row of route (t, j); -1 for an invalid id
+  offsets: jax.Array  # (E + 1,) int32: first routed row of each expert; [E] = rows in use
+  rows: jax.Array  # (R,) int32: route t * k + j held by each routed row; -1 for padding
+  gu: jax.Array  # (R, 2I) x.dtype: pre-activation [x @ w_gate | x @ w_up] of each routed row
+  y_routed: jax.Array  # (R, H) x.dtype: unweighted expert output of each routed row
+  gu_shared: jax.Array  # (T, 2Is) x.dtype: pre-activation of the shared expert
+
+
+class Grads(NamedTuple):
+  x: jax.Array
+  weights: jax.Array
+  w_gate: jax.Array
+  w_up: jax.Array
+  w_down: jax.Array
+  shared: tuple | None
+
+
+def routed_rows(num_routes: int, num_experts: int, block_m: int) -> int:
+  """Rows of the expert-sorted buffers: every route, plus the padding that aligns each
+  non-empty expert to block_m (at most block_m - 1 rows for each of min(E, routes) experts)."""
+  return num_routes + min(num_experts, num_routes) * (block_m - 1)
+
+
+def _shape(a):
+  return tuple(np.shape(a))
+
+
+def check_moe_args(x, experts, weights, w_gate, w_up, w_down, shared) -> MoeDims:
+  """Checks ranks, agreeing sizes and the dtypes of x and the weight tensors."""
+  if np.ndim(x) != 2:
+    raise ValueError(f"moe: x must be (T, H), got shape {_shape(x)}")
+  T, H = _shape(x)
+  dtype = jnp.dtype(x.dtype)
+  if dtype not in DTYPES:
+    raise ValueError(f"moe: x has dtype {dtype}; supported: {', '.join(map(str, DTYPES))}")
+  if np.ndim(experts) != 2 or _shape(experts)[0] != T or _shape(experts)[1] < 1:
+    raise ValueError(f"moe: experts must be (T, k) with T = {T} (from x {_shape(x)}) and k >= 1, "
+                     f"got shape {_shape(experts)}")
+  k = _shape(experts)[1]
+  if _shape(weights) != (T, k):
+    raise ValueError(f"moe: weights must have the shape of experts ({T}, {k}), got "
+                     f"{_shape(weights)}")
+  if np.ndim(w_gate) != 3 or _shape(w_gate)[1] != H:
+    raise ValueError(f"moe: w_gate must be (E, H, I) with H = {H} (from x {_shape(x)}), got "
+                     f"{_shape(w_gate)}")
+  E, _, I = _shape(w_gate)
+  if E < 1 or I < 1:
+    raise ValueError(f"moe: w_gate {_shape(w_gate)} must have E >= 1 and I >= 1")
+  if _shape(w_up) != (E, H, I):
+    raise ValueError(f"moe: w_up must be (E, H, I) = {(E, H, I)} like w_gate, got "
+                     f"{_shape(w_up)}")
+  if _shape(w_down) != (E, I, H):
+    raise ValueError(f"moe: w_down must be (E, I, H) = {(E, I, H)}, got {_shape(w_down)}")
+  named = {"w_gate": w_gate, "w_up": w_up, "w_down": w_down}
+  Is = 0
+  if shared is not None:
+    if not isinstance(shared, (tuple, list)) or len(shared) != 3:
+      raise ValueError("moe: shared must be None or (ws_gate, ws_up, ws_down), got "
+                       f"{type(shared).__name__}")
+    ws_gate, ws_up, ws_down = shared
+    if np.ndim(ws_gate) != 2 or _shape(ws_gate)[0] != H or _shape(ws_gate)[1] < 1:
+      raise ValueError(f"moe: ws_gate must be (H, Is) with H = {H}, got {_shape(ws_gate)}")
+    Is = _shape(ws_gate)[1]
+    if _shape(ws_up) != (H, Is):
+      raise ValueError(f"moe: ws_up must be (H, Is) = {(H, Is)} like ws_gate, got "
+                       f"{_shape(ws_up)}")
+    if _shape(ws_down) != (Is, H):
+      raise ValueError(f"moe: ws_down must be (Is, H) = {(Is, H)}, got {_shape(ws_down)}")
+    named.update(ws_gate=ws_gate, ws_up=ws_up, ws_down=ws_down)
+  for name, a in named.items():
+    if jnp.dtype(a.dtype) != dtype:
+      raise ValueError(f"moe: {name} has dtype {jnp.dtype(a.dtype)}, x has {dtype}; they must "
+                       "match (cast the parameters to the compute dtype first)")
+  return MoeDims(T, H, I, E, k, Is)
+
+
+def check_ffi_dtype(dtype):
+  if jnp.dtype(dtype) not in DTYPES:
+    raise ValueError(f"the FFI targets take {', '.join(map(str, DTYPES))}, got {dtype}")
+
+
+def cuda_unsupported_reason(platform, dtype, dims: MoeDims, config) -> str | None:
+  """Why the CUDA kernel cannot run this call, or None when it can."""
+  if platform != "gpu":
+    return f"JAX's default backend is {platform!r}, not a CUDA GPU"
+  if _mok_cuda is None:
+    return ("mok_jax was installed without its CUDA module (no CUDA compiler found at build "
+            "time, or MOK_CUDA=OFF)")
+  if jnp.dtype(dtype) != CUDA_DTYPE:
+    return f"the CUDA kernel takes {CUDA_DTYPE} tokens and weights, got {jnp.dtype(dtype)}"
+  m = CUDA_DIM_MULTIPLE
+  if dims.H % m or dims.I % m or dims.Is % m:
+    return f"the CUDA kernel needs H, I and Is divisible by {m}, got {dims.H}, {dims.I}, {dims.Is}"
+  if dims.E > CUDA_MAX_EXPERTS:
+    return f"the CUDA kernel holds at most {CUDA_MAX_EXPERTS} experts per GPU, got {dims.E}"
+  if config.block_m != CUDA_BLOCK_M:
+    return f"the CUDA kernel needs Config.block_m = {CUDA_BLOCK_M}, got {config.block_m}"
+  return None
+
+
+def _shared_or_empty(shared, H, dtype):
+  """The shared weights, or (H, 0), (H, 0), (0, H) arrays: Is = 0 means no shared expert."""
+  if shared is not None:
+    return tuple(shared)
+  return (jnp.zeros((H, 0), dtype), jnp.zeros((H, 0), dtype), jnp.zeros((0, H), dtype))
+
+
+def _check_ffi_inputs(x, experts, weights, w_gate, w_up, w_down, shared):
+  dims = check_moe_args(x, experts, weights, w_gate, w_up, w_down, shared)
+  check_ffi_dtype(x.dtype)
+  if experts.dtype != jnp.int32:
+    raise ValueError(f"moe_fwd/moe_bwd: experts must be int32, got {experts.dtype}")
+  if weights.dtype != jnp.float32:
+    raise ValueError(f"moe_fwd/moe_bwd: weights must be float32, got {weights.dtype}")
+  return dims
+
+
+def moe_fwd(x, experts, weights, w_gate, w_up, w_down, shared=None, *, out_dtype, block_m):
+  """Target mok_moe_fwd.
+
+  Inputs:
+    x (T, H) bf16|f32; experts (T, k) int32 local ids (outside [0, E): no contribution);
+    weights (T, k) f32; w_gate, w_up (E, H, I); w_down (E, I, H); shared None or
+    (ws_gate (H, Is), ws_up (H, Is), ws_down (Is, H)); all weight tensors of x's dtype.
+  Outputs:
+    y (T, H) out_dtype (x's dtype, or f32 for a partial sum), and `Residuals`.
+  """
+  dims = _check_ffi_inputs(x, experts, weights, w_gate, w_up, w_down, shared)
+  out_dtype = jnp.dtype(out_dtype)
+  if out_dtype not in (jnp.dtype(x.dtype), jnp.dtype(jnp.float32)):
+    raise ValueError(f"moe_fwd: out_dtype must be x's dtype or float32, got {out_dtype}")
+  T, H, I, E, k, Is = dims
+  R = routed_rows(T * k, E, block_m)
+  sds = jax.ShapeDtypeStruct
+  results = (
+      sds((T, H), out_dtype),  # y
+      sds((T, k), jnp.int32),  # pos
+      sds((E + 1,), jnp.int32),  # offsets
+      sds((R,), jnp.int32),  # rows
+      sds((R, 2 * I), x.dtype),  # gu
+      sds((R, H), x.dtype),  # y_routed
+      sds((T, 2 * Is), x.dtype),  # gu_shared
+  )
+  call = jax.ffi.ffi_call("mok_moe_fwd", results, vmap_method="sequential")
+  y, *residuals = call(x, experts, weights, w_gate, w_up, w_down,
+                       *_shared_or_empty(shared, H, x.dtype), block_m=np.int64(block_m))
+  return y, Residuals(*residuals)
+
+
+def moe_bwd(dy, x, experts, weights, w_gate, w_up, w_down, shared, residuals: Residuals, *,
+            block_m) -> Grads:
+  """Target mok_moe_bwd.
+
+  Inputs:
+    dy (T, H) of y's dtype; the forward's inputs; its `Residuals`.
+  Outputs:
+    `Grads`: x (T, H), weights (T, k) f32, w_gate, w_up (E, H, I), w_down (E, I, H) and the
+    shared weights' gradients (None without a shared expert), all but weights in x's dtype.
+  """
+  T, H, I, E, k, Is = _check_ffi_inputs(x, experts, weights, w_gate, w_up, w_down, shared)
+  R = routed_rows(T * k, E, block_m)
+  if dy.shape != (T, H) or jnp.dtype(dy.dtype) not in (jnp.dtype(x.dtype), jnp.float32):
+    raise ValueError(f"moe_bwd: dy must be ({T}, {H}) of {x.dtype} or float32, got "
+                     f"{dy.shape} {dy.dtype}")
+  want = Residuals(pos=((T, k), jnp.int32), offsets=((E + 1,), jnp.int32), rows=((R,), jnp.int32),
+                   gu=((R, 2 * I), x.dtype), y_routed=((R, H), x.dtype),
+                   gu_shared=((T, 2 * Is), x.dtype))
+  for name, (shape, dtype), got in zip(Residuals._fields, want, residuals):
+    if got.shape != shape or got.dtype != dtype:
+      raise ValueError(f"moe_bwd: residual {name} must be {shape} {jnp.dtype(dtype)}, got "
+                       f"{got.shape} {got.dtype}")
+  sds = jax.ShapeDtypeStruct
+  results = (
+      sds((T, H), x.dtype),  # dx
+      sds((T, k), jnp.float32),  # dweights
+      sds((E, H, I), x.dtype),  # dw_gate
+      sds((E, H, I), x.dtype),  # dw_up
+      sds((E, I, H), x.dtype),  # dw_down
+      sds((H, Is), x.dtype),  # dws_gate
+      sds((H, Is), x.dtype),  # dws_up
+      sds((Is, H), x.dtype),  # dws_down
+      sds((R, H), x.dtype),  # scratch: dy_routed = w * dy of each routed row
+      sds((R, 2 * I), x.dtype),  # scratch: [dg | du] of each routed row
+      sds((R, H), jnp.float32),  # scratch: dx of each routed row, summed per token in j order
+      sds((T, 2 * Is), x.dtype),  # scratch: [dg | du] of the shared expert
+  )
+  call = jax.ffi.ffi_call("mok_moe_bwd", results, vmap_method="sequential")
+  dx, dweights, dw_gate, dw_up, dw_down, *dshared = call(
+      dy, x, experts, weights, w_gate, w_up, w_down, *_shared_or_empty(shared, H, x.dtype),
+      *residuals, block_m=np.int64(block_m))[:8]
+  return Grads(dx, dweights, dw_gate, dw_up, dw_down, None if shared is None else tuple(dshared))

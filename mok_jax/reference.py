@@ -1,0 +1,80 @@
+"""The pure-JAX backend (`backend="xla"`): dropless, differentiable, runs on any device.
+
+It computes exactly what the kernels compute, with the same rounding points (DESIGN.md):
+gate/up/down products accumulate in f32; the SwiGLU activation h and each route's expert output
+are rounded to x's dtype (they are GEMM operands / kept outputs in the kernels); the weighted sum
+over the k routes of a token, and the shared expert's output, stay in f32 until the single final
+rounding.
+
+Grouping uses `jax.lax.ragged_dot` on routes sorted by expert (a stable sort, so the row order
+within an expert is ascending (t, j), as in the kernels' layout). The combine gathers each
+route's output back by inverse permutation and sums the k routes in order: no scatter-add, so
+results do not depend on the order in which a device executes atomic updates.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+# f32 inputs must not silently drop to TF32 on GPUs; bf16 products are exact either way.
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def silu(v):
+  return v * jax.nn.sigmoid(v)
+
+
+def swiglu(g, u, dtype):
+  """h = silu(g) * u from f32 g, u, rounded to the GEMM operand dtype."""
+  return (silu(g) * u).astype(dtype)
+
+
+def shared_mlp(x, shared):
+  """The shared expert's output in f32: (silu(x @ ws_gate) * (x @ ws_up)) @ ws_down."""
+  ws_gate, ws_up, ws_down = shared
+  dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=HIGHEST)
+  return dot(swiglu(dot(x, ws_gate), dot(x, ws_up), x.dtype), ws_down)
+
+
+def moe_local(x, experts, weights, w_gate, w_up, w_down, shared, *, out_dtype, config=None):
+  """The MoE layer over the experts held here.
+
+  Args:
+    x: (T, H) tokens.
+    experts: (T, k) int32 expert ids local to w_gate's leading axis; an id outside [0, E) is a
+      route to nobody and contributes nothing.
+    weights: (T, k) f32 combine weights.
+    w_gate, w_up: (E, H, I); w_down: (E, I, H); same dtype as x.
+    shared: None or (ws_gate (H, Is), ws_up (H, Is), ws_down (Is, H)).
+    out_dtype: dtype of y: x.dtype, or f32 for a partial sum that is reduced further.
+    config: ignored (the XLA backend has no kernel knobs).
+
+  Returns:
+    y: (T, H) of out_dtype.
+  """
+  del config
+  f32 = jnp.float32
+  T, k = experts.shape
+  E = w_gate.shape[0]
+  valid = (experts >= 0) & (experts < E)
+  # Invalid routes get group id E: they sort after every real group and fall outside
+  # sum(group_sizes), so ragged_dot never reads an expert for them; `where` zeroes them anyway.
+  group = jnp.where(valid, experts, E).reshape(-1)
+  order = jnp.argsort(group, stable=True)
+  group_sizes = jnp.bincount(group, length=E + 1)[:E].astype(jnp.int32)
+  xs = x[order // k]
+  dot = functools.partial(jax.lax.ragged_dot, group_sizes=group_sizes,
+                          preferred_element_type=f32, precision=HIGHEST)
+  h = swiglu(dot(xs, w_gate), dot(xs, w_up), x.dtype)
+  y_routed = dot(h, w_down).astype(x.dtype)
+  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+  y_routed = y_routed[inverse].reshape(T, k, -1)
+  w = jnp.where(valid, weights, 0.0)
+  y_routed = jnp.where(valid[:, :, None], y_routed, 0).astype(f32)
+  y = jnp.einsum("tkh,tk->th", y_routed, w, precision=HIGHEST)
+  if shared is not None:
+    y = y + shared_mlp(x, shared)
+  return y.astype(out_dtype)
