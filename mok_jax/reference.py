@@ -39,7 +39,8 @@ def shared_mlp(x, shared):
   return dot(swiglu(dot(x, ws_gate), dot(x, ws_up), x.dtype), ws_down)
 
 
-def moe_local(x, experts, weights, w_gate, w_up, w_down, shared, *, out_dtype, config=None):
+def moe_local(x, experts, weights, w_gate, w_up, w_down, shared, *, out_dtype, config=None,
+              ragged_dot=jax.lax.ragged_dot):
   """The MoE layer over the experts held here.
 
   Args:
@@ -51,6 +52,8 @@ def moe_local(x, experts, weights, w_gate, w_up, w_down, shared, *, out_dtype, c
     shared: None or (ws_gate (H, Is), ws_up (H, Is), ws_down (Is, H)).
     out_dtype: dtype of y: x.dtype, or f32 for a partial sum that is reduced further.
     config: ignored (the XLA backend has no kernel knobs).
+    ragged_dot: the grouped matmul, with jax.lax.ragged_dot's signature; the benchmark swaps in
+      other implementations (tokamax's) to time the same layer on them.
 
   Returns:
     y: (T, H) of out_dtype.
@@ -66,7 +69,7 @@ def moe_local(x, experts, weights, w_gate, w_up, w_down, shared, *, out_dtype, c
   order = jnp.argsort(group, stable=True)
   group_sizes = jnp.bincount(group, length=E + 1)[:E].astype(jnp.int32)
   xs = x[order // k]
-  dot = functools.partial(jax.lax.ragged_dot, group_sizes=group_sizes,
+  dot = functools.partial(ragged_dot, group_sizes=group_sizes,
                           preferred_element_type=f32, precision=HIGHEST)
   h = swiglu(dot(xs, w_gate), dot(xs, w_up), x.dtype)
   y_routed = dot(h, w_down).astype(x.dtype)
