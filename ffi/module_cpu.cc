@@ -3,6 +3,7 @@
 
 #include <type_traits>
 
+#include "../cuda/layout_contract.h"
 #include "moe_cpu.h"
 
 namespace nb = nanobind;
@@ -25,4 +26,6 @@ NB_MODULE(_mok_cpu, m) {
     targets["mok_moe_bwd"] = Capsule(MokMoeBwdCpu);
     return targets;
   });
+  m.def("layout_scratch_ints", &mok::LayoutScratchInts, nb::arg("routes"), nb::arg("experts"),
+        "Ints of the layout scratch that mok_moe_fwd takes for this many routes and experts.");
 }

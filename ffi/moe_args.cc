@@ -1,5 +1,7 @@
 #include "moe_args.h"
 
+#include "../cuda/layout_contract.h"
+
 #include <algorithm>
 #include <sstream>
 #include <vector>
@@ -114,7 +116,16 @@ ffi::Error CheckFwdResults(const MoeDims& d, ffi::DataType dtype, const MoeFwdRe
     return Invalid(target, "y must be of x's dtype or f32, got " +
                                Describe(ydt, out.y.dimensions()));
   if (auto err = CheckBuffer(target, "y", out.y, ydt, {d.T, d.H}); err.failure()) return err;
-  return CheckResiduals(target, d, dtype, out.res);
+  if (auto err = CheckResiduals(target, d, dtype, out.res); err.failure()) return err;
+  for (auto err : {CheckBuffer(target, "xs", out.xs, dtype, {d.R, d.H}),
+                   CheckBuffer(target, "h", out.h, dtype, {d.R, d.I}),
+                   CheckBuffer(target, "h_shared", out.h_shared, dtype, {d.T, d.Is}),
+                   CheckBuffer(target, "y_shared", out.y_shared, dtype, {d.T, d.H}),
+                   CheckBuffer(target, "layout", out.layout, ffi::DataType::S32,
+                               {LayoutScratchInts(d.T * d.k, d.E)})}) {
+    if (err.failure()) return err;
+  }
+  return ffi::Error::Success();
 }
 
 ffi::Error CheckBwdArgs(const MoeDims& d, ffi::DataType dtype, ffi::AnyBuffer dy,

@@ -44,6 +44,11 @@ struct MoeResiduals {
 struct MoeFwdResults {
   ffi::AnyBuffer y;  // (T, H) like x, or f32 (a partial sum reduced further)
   MoeResiduals res;
+  ffi::AnyBuffer xs;        // scratch (R, H) like x: token row of each routed row, 0 padding
+  ffi::AnyBuffer h;         // scratch (R, I) like x: silu(g) * u
+  ffi::AnyBuffer h_shared;  // scratch (T, Is) like x
+  ffi::AnyBuffer y_shared;  // scratch (T, H) like x: the shared expert's output
+  ffi::AnyBuffer layout;    // scratch (LayoutScratchInts(T * k, E)) s32
 };
 
 struct MoeBwdResults {

@@ -34,10 +34,12 @@ void Layout(const MoeDims& d, const int32_t* experts, int32_t* pos, int32_t* off
   }
 }
 
-// y_row = round_S(silu(g) * u) @ w_down, f32 accumulation; g, u and y_row also rounded to S.
+// One token row through an expert MLP, with the kernels' rounding points: gu_row = [g | u]
+// and h_row = silu(g) * u (from the f32 g, u) rounded to S; y_row = h @ w_down rounded to S.
 template <class S>
 void ExpertMlp(int64_t H, int64_t I, const S* x_row, const S* wg, const S* wu, const S* wd,
-               S* gu_row, float* y_row, std::vector<float>& g, std::vector<float>& u) {
+               S* gu_row, S* h_row, S* y_row, std::vector<float>& g, std::vector<float>& u,
+               std::vector<float>& acc) {
   std::fill(g.begin(), g.end(), 0.0f);
   std::fill(u.begin(), u.end(), 0.0f);
   for (int64_t h = 0; h < H; ++h) {
@@ -47,13 +49,15 @@ void ExpertMlp(int64_t H, int64_t I, const S* x_row, const S* wg, const S* wu, c
       u[i] += xv * Load(wu[h * I + i]);
     }
   }
-  std::fill(y_row, y_row + H, 0.0f);
+  std::fill(acc.begin(), acc.end(), 0.0f);
   for (int64_t i = 0; i < I; ++i) {
     gu_row[i] = Store<S>(g[i]);
     gu_row[I + i] = Store<S>(u[i]);
-    float a = Round<S>(Silu(g[i]) * u[i]);
-    for (int64_t h = 0; h < H; ++h) y_row[h] += a * Load(wd[i * H + h]);
+    h_row[i] = Store<S>(Silu(g[i]) * u[i]);
+    float a = Load(h_row[i]);
+    for (int64_t h = 0; h < H; ++h) acc[h] += a * Load(wd[i * H + h]);
   }
+  for (int64_t h = 0; h < H; ++h) y_row[h] = Store<S>(acc[h]);
 }
 
 template <class S, class Y>
@@ -68,44 +72,54 @@ void Forward(const MoeDims& d, const MoeInputs& in, const MoeFwdResults& out) {
   int32_t* rows = out.res.rows.reinterpret_data<int32_t>();
   S* gu = out.res.gu.reinterpret_data<S>();
   S* y_routed = out.res.y_routed.reinterpret_data<S>();
+  S* xs = out.xs.reinterpret_data<S>();
+  S* h = out.h.reinterpret_data<S>();
   Y* y = out.y.reinterpret_data<Y>();
 
   Layout(d, experts, pos, out.res.offsets.reinterpret_data<int32_t>(), rows);
+  int32_t* layout = out.layout.reinterpret_data<int32_t>();
+  std::fill(layout, layout + out.layout.element_count(), 0);  // the CPU layout needs no scratch
   std::vector<float> g(std::max(I, Is)), u(std::max(I, Is)), acc(H);
   for (int64_t r = 0; r < d.R; ++r) {
-    S* gu_row = gu + r * 2 * I;
-    S* yr_row = y_routed + r * H;
-    if (rows[r] < 0) {  // padding: defined zeros, never read by the combine
+    S *xs_row = xs + r * H, *gu_row = gu + r * 2 * I, *h_row = h + r * I,
+      *yr_row = y_routed + r * H;
+    if (rows[r] < 0) {  // padding: zeros, as the GPU's zero-filled rows give
+      std::fill(xs_row, xs_row + H, Store<S>(0.0f));
       std::fill(gu_row, gu_row + 2 * I, Store<S>(0.0f));
+      std::fill(h_row, h_row + I, Store<S>(0.0f));
       std::fill(yr_row, yr_row + H, Store<S>(0.0f));
       continue;
     }
     int64_t t = rows[r] / k, e = experts[rows[r]];
-    ExpertMlp<S>(H, I, x + t * H, wg + e * H * I, wu + e * H * I, wd + e * I * H, gu_row,
-                 acc.data(), g, u);
-    for (int64_t h = 0; h < H; ++h) yr_row[h] = Store<S>(acc[h]);
+    std::copy(x + t * H, x + (t + 1) * H, xs_row);
+    ExpertMlp<S>(H, I, xs_row, wg + e * H * I, wu + e * H * I, wd + e * I * H, gu_row, h_row,
+                 yr_row, g, u, acc);
   }
   const S *wsg = in.ws_gate.reinterpret_data<S>(), *wsu = in.ws_up.reinterpret_data<S>(),
           *wsd = in.ws_down.reinterpret_data<S>();
   S* gu_shared = out.res.gu_shared.reinterpret_data<S>();
-  std::vector<float> shared_out(H);
+  S* h_shared = out.h_shared.reinterpret_data<S>();
+  S* y_shared = out.y_shared.reinterpret_data<S>();
   for (int64_t t = 0; t < T; ++t) {
-    // The k routes in j order, then the shared expert's f32 output (as the XLA backend adds it).
+    // The k routes in j order, then the shared expert's output (rounded like a route's).
+    if (Is > 0) {
+      ExpertMlp<S>(H, Is, x + t * H, wsg, wsu, wsd, gu_shared + t * 2 * Is, h_shared + t * Is,
+                   y_shared + t * H, g, u, acc);
+    }
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int64_t j = 0; j < k; ++j) {
       int32_t p = pos[t * k + j];
       if (p < 0) continue;
       float w = weights[t * k + j];
       const S* yr_row = y_routed + int64_t{p} * H;
-      for (int64_t h = 0; h < H; ++h) acc[h] += w * Load(yr_row[h]);
+      for (int64_t hh = 0; hh < H; ++hh) acc[hh] += w * Load(yr_row[hh]);
     }
-    if (Is > 0) {
-      ExpertMlp<S>(H, Is, x + t * H, wsg, wsu, wsd, gu_shared + t * 2 * Is, shared_out.data(),
-                   g, u);
-      for (int64_t h = 0; h < H; ++h) acc[h] += shared_out[h];
+    for (int64_t hh = 0; hh < H; ++hh) {
+      float v = acc[hh] + (Is > 0 ? Load(y_shared[t * H + hh]) : 0.0f);
+      y[t * H + hh] = Store<Y>(v);
     }
-    for (int64_t h = 0; h < H; ++h) y[t * H + h] = Store<Y>(acc[h]);
   }
+  if (Is == 0) std::fill(y_shared, y_shared + T * H, Store<S>(0.0f));
 }
 
 ffi::Error MoeFwd(ffi::AnyBuffer x, ffi::AnyBuffer experts, ffi::AnyBuffer weights,
@@ -114,9 +128,13 @@ ffi::Error MoeFwd(ffi::AnyBuffer x, ffi::AnyBuffer experts, ffi::AnyBuffer weigh
                   ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> pos,
                   ffi::Result<ffi::AnyBuffer> offsets, ffi::Result<ffi::AnyBuffer> rows,
                   ffi::Result<ffi::AnyBuffer> gu, ffi::Result<ffi::AnyBuffer> y_routed,
-                  ffi::Result<ffi::AnyBuffer> gu_shared, int64_t block_m) {
+                  ffi::Result<ffi::AnyBuffer> gu_shared, ffi::Result<ffi::AnyBuffer> xs,
+                  ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> h_shared,
+                  ffi::Result<ffi::AnyBuffer> y_shared, ffi::Result<ffi::AnyBuffer> layout,
+                  int64_t block_m) {
   MoeInputs in{x, experts, weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down};
-  MoeFwdResults out{*y, {*pos, *offsets, *rows, *gu, *y_routed, *gu_shared}};
+  MoeFwdResults out{*y,  {*pos, *offsets, *rows, *gu, *y_routed, *gu_shared},
+                    *xs, *h, *h_shared, *y_shared, *layout};
   auto dims = CheckInputs("mok_moe_fwd", in, block_m);
   if (dims.has_error()) return dims.error();
   auto dtype = x.element_type();
@@ -153,4 +171,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MokMoeFwdCpu, mok::cpu::MoeFwd,
                                   .Ret<xla::ffi::AnyBuffer>()  // gu (R, 2I)
                                   .Ret<xla::ffi::AnyBuffer>()  // y_routed (R, H)
                                   .Ret<xla::ffi::AnyBuffer>()  // gu_shared (T, 2Is)
+                                  .Ret<xla::ffi::AnyBuffer>()  // scratch xs (R, H)
+                                  .Ret<xla::ffi::AnyBuffer>()  // scratch h (R, I)
+                                  .Ret<xla::ffi::AnyBuffer>()  // scratch h_shared (T, Is)
+                                  .Ret<xla::ffi::AnyBuffer>()  // scratch y_shared (T, H)
+                                  .Ret<xla::ffi::AnyBuffer>()  // scratch layout s32
                                   .Attr<int64_t>("block_m"));

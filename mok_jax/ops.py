@@ -28,6 +28,7 @@ except ImportError:  # built without a CUDA compiler, or MOK_CUDA=OFF
 
 for _name, _capsule in _mok_cpu.registrations().items():
   jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
+_CUDA_TARGETS = frozenset(_mok_cuda.registrations()) if _mok_cuda is not None else frozenset()
 if _mok_cuda is not None:
   for _name, _capsule in _mok_cuda.registrations().items():
     jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
@@ -127,6 +128,11 @@ def check_moe_args(x, experts, weights, w_gate, w_up, w_down, shared) -> MoeDims
   return MoeDims(T, H, I, E, k, Is)
 
 
+def has_cuda_target(name: str) -> bool:
+  """Whether the CUDA module is built and registers the target `name`."""
+  return _mok_cuda is not None and name in _CUDA_TARGETS
+
+
 def check_ffi_dtype(dtype):
   if jnp.dtype(dtype) not in DTYPES:
     raise ValueError(f"the FFI targets take {', '.join(map(str, DTYPES))}, got {dtype}")
@@ -193,11 +199,16 @@ def moe_fwd(x, experts, weights, w_gate, w_up, w_down, shared=None, *, out_dtype
       sds((R, 2 * I), x.dtype),  # gu
       sds((R, H), x.dtype),  # y_routed
       sds((T, 2 * Is), x.dtype),  # gu_shared
+      sds((R, H), x.dtype),  # scratch xs: the token row of each routed row
+      sds((R, I), x.dtype),  # scratch h = silu(g) * u
+      sds((T, Is), x.dtype),  # scratch h of the shared expert
+      sds((T, H), x.dtype),  # scratch: output of the shared expert
+      sds((_mok_cpu.layout_scratch_ints(T * k, E),), jnp.int32),  # scratch of the layout kernels
   )
   call = jax.ffi.ffi_call("mok_moe_fwd", results, vmap_method="sequential")
   y, *residuals = call(x, experts, weights, w_gate, w_up, w_down,
                        *_shared_or_empty(shared, H, x.dtype), block_m=np.int64(block_m))
-  return y, Residuals(*residuals)
+  return y, Residuals(*residuals[:len(Residuals._fields)])
 
 
 def moe_bwd(dy, x, experts, weights, w_gate, w_up, w_down, shared, residuals: Residuals, *,

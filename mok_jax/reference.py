@@ -2,9 +2,9 @@
 
 It computes exactly what the kernels compute, with the same rounding points (DESIGN.md):
 gate/up/down products accumulate in f32; the SwiGLU activation h and each route's expert output
-are rounded to x's dtype (they are GEMM operands / kept outputs in the kernels); the weighted sum
-over the k routes of a token, and the shared expert's output, stay in f32 until the single final
-rounding.
+are rounded to x's dtype (they are GEMM operands / kept outputs in the kernels), and so is the
+shared expert's output (a route of weight 1); the sum over a token's k routes (j ascending) and
+its shared output is taken in f32, and y is rounded once, at the end.
 
 Grouping uses `jax.lax.ragged_dot` on routes sorted by expert (a stable sort, so the row order
 within an expert is ascending (t, j), as in the kernels' layout). The combine gathers each
@@ -33,10 +33,12 @@ def swiglu(g, u, dtype):
 
 
 def shared_mlp(x, shared):
-  """The shared expert's output in f32: (silu(x @ ws_gate) * (x @ ws_up)) @ ws_down."""
+  """The shared expert's output, rounded to x's dtype and returned in f32:
+  (silu(x @ ws_gate) * (x @ ws_up)) @ ws_down."""
   ws_gate, ws_up, ws_down = shared
   dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=HIGHEST)
-  return dot(swiglu(dot(x, ws_gate), dot(x, ws_up), x.dtype), ws_down)
+  y = dot(swiglu(dot(x, ws_gate), dot(x, ws_up), x.dtype), ws_down)
+  return y.astype(x.dtype).astype(jnp.float32)
 
 
 def moe_local(x, experts, weights, w_gate, w_up, w_down, shared, *, out_dtype, config=None,

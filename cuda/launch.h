@@ -1,0 +1,43 @@
+// Launchers of the CUDA kernels, callable from the FFI handlers. Plain C++: neither XLA's nor
+// CuTe's headers are visible here (DESIGN.md: they never meet in one translation unit).
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+namespace mok::cuda {
+
+// One forward call over the experts of this GPU. Shapes as in mok_jax/ops.py; bf16 buffers are
+// passed as void*. R = routed rows; all pointers are device memory owned by XLA.
+struct MoeFwdArgs {
+  int64_t T, H, I, E, k, Is, R;
+  const void* x;          // (T, H) bf16
+  const int32_t* experts; // (T, k) local ids; outside [0, E): no contribution
+  const float* weights;   // (T, k)
+  const void* w_gate;     // (E, H, I) bf16
+  const void* w_up;       // (E, H, I)
+  const void* w_down;     // (E, I, H)
+  const void* ws_gate;    // (H, Is), Is = 0: no shared expert
+  const void* ws_up;      // (H, Is)
+  const void* ws_down;    // (Is, H)
+  void* y;                // (T, H) bf16, or f32 when y_f32
+  bool y_f32;
+  int32_t* pos;           // (T, k)
+  int32_t* offsets;       // (E + 1)
+  int32_t* rows;          // (R)
+  void* gu;               // (R, 2I) bf16
+  void* y_routed;         // (R, H) bf16
+  void* gu_shared;        // (T, 2Is) bf16
+  void* xs;               // scratch (R, H) bf16: gathered token rows, zero padding rows
+  void* h;                // scratch (R, I) bf16: silu(g) * u
+  void* h_shared;         // scratch (T, Is) bf16
+  void* y_shared;         // scratch (T, H) bf16
+  int32_t* layout;        // scratch (LayoutScratchInts(T * k, E)): per-chunk expert counts
+};
+
+// Enqueues the whole forward on `stream`; nothing waits on the host. Returns nullptr, or a
+// message saying what failed (an unsupported shape, a CUDA error).
+const char* LaunchMoeFwd(const MoeFwdArgs& args, cudaStream_t stream);
+
+}  // namespace mok::cuda

@@ -1,0 +1,102 @@
+// GEMM epilogues: accumulators -> bf16 in a padded shared-memory staging tile -> coalesced
+// 16-byte global stores. Each consumer warpgroup stages and stores its own 64 rows.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "gemm_config.cuh"
+#include "mainloop.cuh"
+#include "ptx.cuh"
+
+namespace mok::sm90 {
+
+// Staging rows are padded by 16 bytes: the 8 rows a warp's accumulator store touches then fall
+// in distinct banks (row pitch = 4 banks mod 32).
+constexpr int kStagePad = 8;  // bf16
+constexpr int kStagePitchY = GemmConfig::kBlockN + kStagePad;      // (64, 256) tiles
+constexpr int kStagePitchH = GemmConfig::kBlockN / 2 + kStagePad;  // (64, 128) tiles
+constexpr int kWarpgroupRows = GemmConfig::kBlockM / GemmConfig::kConsumerWarpgroups;
+constexpr int kStageElems = kWarpgroupRows * (kStagePitchY + kStagePitchH);
+static_assert(2 * kStageElems * 2 <= sizeof(GemmSmem::a) + sizeof(GemmSmem::b),
+              "the staging tiles must fit in the pipeline stages they reuse");
+
+__device__ __forceinline__ float Silu(float g) { return g / (1.0f + __expf(-g)); }
+
+__device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Copies `chunks` 16-byte chunks per row of a (64, pitch) staging tile to global rows
+// dst(row) + col(c), skipping rows past the problem and chunks past the matrix edge.
+template <class Dst>
+__device__ __forceinline__ void CopyOut(const bf16_t* stage, int pitch, int chunks,
+                                        int64_t row0, int64_t m_end, int wg_thread, Dst dst) {
+  for (int i = wg_thread; i < kWarpgroupRows * chunks; i += 128) {
+    const int r = i / chunks, c = i % chunks;
+    if (row0 + r >= m_end) continue;
+    __nv_bfloat16* out = dst(row0 + r, c);
+    if (out) {
+      *reinterpret_cast<uint4*>(out) = *reinterpret_cast<const uint4*>(stage + r * pitch + c * 8);
+    }
+  }
+}
+
+// thread: index among the 256 consumer threads; acc: its (128, 256) tile fragment.
+template <Epilogue kEpi, class Accum>
+__device__ __forceinline__ void StoreTile(const GemmParams& p, const GemmTile& tile,
+                                          GemmSmem& smem, int thread, const Accum& acc) {
+  using namespace cute;
+  using C = GemmConfig;
+  const int wg = thread / 128, wg_thread = thread % 128;
+  // Both warpgroups must be done with the pipeline stages before either overwrites them.
+  NamedBarrierSync(1, 256);
+  bf16_t* stage = &smem.a[0][0] + wg * kStageElems;  // (64, kStagePitchY) [+ (64, kStagePitchH)]
+  TiledMma mma;
+  Tensor coord = mma.get_thread_slice(thread).partition_C(
+      make_identity_tensor(Shape<Int<C::kBlockM>, Int<C::kBlockN>>{}));  // (MMA, 1, 1) -> (m, n)
+  static_assert(decltype(size(coord))::value == 128, "one 64 x 256 wgmma atom per thread");
+  const int64_t row0 = tile.m0 + wg * kWarpgroupRows;
+  if constexpr (kEpi == Epilogue::kStore) {
+    CUTE_UNROLL
+    for (int v = 0; v < 128; v += 2) {  // values v, v + 1: columns n, n + 1 of one row
+      const int m = get<0>(coord(v)) - wg * kWarpgroupRows, n = get<1>(coord(v));
+      *reinterpret_cast<uint32_t*>(stage + m * kStagePitchY + n) = PackBf16(acc(v), acc(v + 1));
+    }
+    NamedBarrierSync(2 + wg, 128);
+    const int64_t col0 = int64_t{tile.n_tile} * C::kBlockN;
+    CopyOut(stage, kStagePitchY, C::kBlockN / 8, row0, tile.m_end, wg_thread,
+            [&](int64_t row, int c) -> __nv_bfloat16* {
+              const int64_t col = col0 + c * 8;
+              return col < p.n ? p.out0 + row * p.n + col : nullptr;
+            });
+  } else {
+    // Accumulator columns [0, 128) are gate, [128, 256) up: value v + 64 is the up partner of
+    // gate value v (the atom's values step 8 columns every 4).
+    bf16_t* stage_h = stage + kWarpgroupRows * kStagePitchY;
+    CUTE_UNROLL
+    for (int v = 0; v < 64; v += 2) {
+      const int m = get<0>(coord(v)) - wg * kWarpgroupRows, n = get<1>(coord(v));
+      const float g0 = acc(v), g1 = acc(v + 1), u0 = acc(v + 64), u1 = acc(v + 65);
+      *reinterpret_cast<uint32_t*>(stage + m * kStagePitchY + n) = PackBf16(g0, g1);
+      *reinterpret_cast<uint32_t*>(stage + m * kStagePitchY + n + 128) = PackBf16(u0, u1);
+      *reinterpret_cast<uint32_t*>(stage_h + m * kStagePitchH + n) =
+          PackBf16(Silu(g0) * u0, Silu(g1) * u1);
+    }
+    NamedBarrierSync(2 + wg, 128);
+    const int64_t col0 = int64_t{tile.n_tile} * (C::kBlockN / 2);
+    // gu row: 16 chunks of gate columns, then 16 of up columns (at +n in the (rows, 2n) gu).
+    CopyOut(stage, kStagePitchY, C::kBlockN / 8, row0, tile.m_end, wg_thread,
+            [&](int64_t row, int c) -> __nv_bfloat16* {
+              const int64_t col = col0 + (c % 16) * 8;
+              return col < p.n ? p.out0 + row * 2 * p.n + (c < 16 ? 0 : p.n) + col : nullptr;
+            });
+    CopyOut(stage_h, kStagePitchH, C::kBlockN / 16, row0, tile.m_end, wg_thread,
+            [&](int64_t row, int c) -> __nv_bfloat16* {
+              const int64_t col = col0 + c * 8;
+              return col < p.n ? p.out1 + row * p.n + col : nullptr;
+            });
+  }
+}
+
+}  // namespace mok::sm90

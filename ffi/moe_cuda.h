@@ -1,0 +1,6 @@
+// The CUDA targets (platform "CUDA"): the same contract as the CPU targets (moe_cpu.h).
+#pragma once
+
+#include "xla/ffi/api/ffi.h"
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MokMoeFwdCuda);
