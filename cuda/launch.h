@@ -32,7 +32,7 @@ struct MoeFwdArgs {
   void* xs;               // scratch (R, H) bf16: gathered token rows, zero padding rows
   void* h;                // scratch (R, I) bf16: silu(g) * u
   void* h_shared;         // scratch (T, Is) bf16
-  void* y_shared;         // scratch (T, H) bf16
+  void* y_shared;         // scratch (T, H) bf16 (empty when Is = 0)
   int32_t* layout;        // scratch (LayoutScratchInts(T * k, E)): per-chunk expert counts
 };
 

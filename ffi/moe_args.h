@@ -47,7 +47,7 @@ struct MoeFwdResults {
   ffi::AnyBuffer xs;        // scratch (R, H) like x: token row of each routed row, 0 padding
   ffi::AnyBuffer h;         // scratch (R, I) like x: silu(g) * u
   ffi::AnyBuffer h_shared;  // scratch (T, Is) like x
-  ffi::AnyBuffer y_shared;  // scratch (T, H) like x: the shared expert's output
+  ffi::AnyBuffer y_shared;  // scratch (T, H) like x, (0, H) when Is = 0: shared output
   ffi::AnyBuffer layout;    // scratch (LayoutScratchInts(T * k, E)) s32
 };
 

@@ -119,7 +119,6 @@ void Forward(const MoeDims& d, const MoeInputs& in, const MoeFwdResults& out) {
       y[t * H + hh] = Store<Y>(v);
     }
   }
-  if (Is == 0) std::fill(y_shared, y_shared + T * H, Store<S>(0.0f));
 }
 
 ffi::Error MoeFwd(ffi::AnyBuffer x, ffi::AnyBuffer experts, ffi::AnyBuffer weights,

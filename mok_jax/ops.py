@@ -202,7 +202,7 @@ def moe_fwd(x, experts, weights, w_gate, w_up, w_down, shared=None, *, out_dtype
       sds((R, H), x.dtype),  # scratch xs: the token row of each routed row
       sds((R, I), x.dtype),  # scratch h = silu(g) * u
       sds((T, Is), x.dtype),  # scratch h of the shared expert
-      sds((T, H), x.dtype),  # scratch: output of the shared expert
+      sds((T if Is else 0, H), x.dtype),  # scratch: output of the shared expert
       sds((_mok_cpu.layout_scratch_ints(T * k, E),), jnp.int32),  # scratch of the layout kernels
   )
   call = jax.ffi.ffi_call("mok_moe_fwd", results, vmap_method="sequential")

@@ -1,0 +1,187 @@
+"""The CUDA forward (mok_moe_fwd on platform CUDA) against the float64 oracle and the XLA backend.
+
+bf16 tolerances are those of tests/cases.py. Layout residuals (pos, offsets, rows) are integer
+and must equal, element for element, the layout written out in NumPy below.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mok_jax
+from mok_jax import ops
+import oracle
+from cases import BF16, BF16_GRAD_RTOL, BF16_RTOL, assert_close, bits, loss_and_grads, make_case
+
+pytestmark = pytest.mark.gpu
+
+BLOCK_M = ops.CUDA_BLOCK_M
+
+
+def numpy_layout(experts, E, block_m=BLOCK_M):
+  """pos, offsets and rows as DESIGN.md defines them: each expert's routes in ascending (t, j)
+  order, each expert's first row a multiple of block_m; invalid ids get pos -1."""
+  experts = np.asarray(experts)
+  T, k = experts.shape
+  flat = experts.reshape(-1)
+  valid = (flat >= 0) & (flat < E)
+  counts = np.bincount(flat[valid], minlength=E)
+  padded = -(-counts // block_m) * block_m
+  offsets = np.concatenate([[0], np.cumsum(padded)]).astype(np.int32)
+  pos = np.full(T * k, -1, np.int32)
+  rows = np.full(ops.routed_rows(T * k, E, block_m), -1, np.int32)
+  for e in range(E):
+    (q,) = np.nonzero(flat == e)
+    pos[q] = offsets[e] + np.arange(len(q))
+    rows[pos[q]] = q
+  return pos.reshape(T, k), offsets, rows
+
+
+def forward(case, backend="cuda"):
+  f = jax.jit(lambda *a: mok_jax.moe(*a, shared=case.shared, backend=backend))
+  return np.asarray(f(*case.args()).astype(jnp.float32))
+
+
+def check_against_oracle(case):
+  y = forward(case)
+  want = oracle.moe(*case.args(), case.shared, round_to=BF16)
+  assert_close(y, want, BF16_RTOL, "y vs oracle")
+  assert_close(y, forward(case, "xla"), BF16_RTOL, "y vs xla backend")
+
+
+# (T, H, I, E, k, Is): tails of every tile (I % 128 == 64, H % 256 != 0), k = E, T = 1.
+SHAPES = [
+    (1, 64, 64, 1, 1, 0),
+    (37, 128, 192, 5, 2, 0),
+    (300, 256, 320, 8, 8, 0),
+    (513, 320, 128, 16, 4, 64),
+    (2048, 512, 256, 64, 6, 192),
+    (4096, 1024, 512, 128, 8, 0),
+]
+
+
+@pytest.mark.parametrize("T,H,I,E,k,Is", SHAPES)
+def test_forward_matches_oracle(T, H, I, E, k, Is):
+  check_against_oracle(make_case(T, H, I, E, k, Is=Is, dtype=BF16, seed=T))
+
+
+def adversarial(name, T=700, E=8, k=3):
+  rng = np.random.default_rng(1)
+  ids = np.argsort(rng.random((T, E)), axis=1)[:, :k].astype(np.int64)
+  if name == "one_expert":
+    ids[:] = 5
+  elif name == "empty_experts":
+    ids = ids % 3  # experts 3.. get nothing (duplicates in a row too)
+  elif name == "out_of_range":
+    bad = rng.random(ids.shape) < 0.3
+    ids[bad] = rng.choice([-1, E, 2**31 - 1], size=bad.sum())
+  elif name == "all_invalid":
+    ids[:] = -1
+  elif name == "duplicates":
+    ids[:, 1] = ids[:, 0]
+  return ids
+
+
+@pytest.mark.parametrize(
+    "name", ["one_expert", "empty_experts", "out_of_range", "all_invalid", "duplicates"])
+def test_adversarial_routing(name):
+  ids = adversarial(name)
+  case = make_case(700, 128, 192, 8, 3, dtype=BF16, seed=3, experts=ids)
+  check_against_oracle(case)
+
+
+def test_layout_residuals_are_exact():
+  ids = adversarial("out_of_range", T=3000, E=40, k=5)
+  case = make_case(3000, 64, 64, 40, 5, dtype=BF16, seed=4, experts=ids.astype(np.int32))
+  local = jnp.asarray(np.where((ids >= 0) & (ids < 40), ids, -1), jnp.int32)
+  _, res = jax.jit(lambda *a: ops.moe_fwd(*a, out_dtype=BF16, block_m=BLOCK_M))(
+      case.x, local, case.weights, case.w_gate, case.w_up, case.w_down)
+  pos, offsets, rows = numpy_layout(ids, 40)
+  np.testing.assert_array_equal(np.asarray(res.pos), pos)
+  np.testing.assert_array_equal(np.asarray(res.offsets), offsets)
+  used = offsets[-1]
+  np.testing.assert_array_equal(np.asarray(res.rows)[:used], rows[:used])
+
+
+def test_bitwise_deterministic():
+  case = make_case(4096, 512, 256, 64, 8, Is=128, dtype=BF16, seed=5)
+  f = jax.jit(lambda *a: ops.moe_fwd(*a, case.shared, out_dtype=BF16, block_m=BLOCK_M))
+  local = jnp.asarray(case.experts, jnp.int32)
+  args = (case.x, local, case.weights, case.w_gate, case.w_up, case.w_down)
+  first = jax.tree.map(np.asarray, f(*args))
+  for _ in range(3):
+    again = jax.tree.map(np.asarray, f(*args))
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)):
+      assert bits(a) == bits(b)
+
+
+_CMD_BUFFER_SCRIPT = textwrap.dedent("""
+    import hashlib, sys
+    import jax, numpy as np
+    import mok_jax
+    from cases import BF16, make_case
+    case = make_case(2048, 512, 256, 64, 6, Is=128, dtype=BF16, seed=7)
+    f = jax.jit(lambda *a: mok_jax.moe(*a, shared=case.shared, backend="cuda"))
+    for _ in range(3):  # replays of the captured graph
+      y = np.asarray(f(*case.args()))
+    print(hashlib.sha256(y.tobytes()).hexdigest())
+""")
+
+
+def run_script(flags):
+  env = dict(os.environ, XLA_FLAGS=flags)
+  here = os.path.dirname(os.path.abspath(__file__))  # for `import cases`
+  out = subprocess.run([sys.executable, "-c", _CMD_BUFFER_SCRIPT], env=env, cwd=here,
+                       capture_output=True, text=True, check=True)
+  return out.stdout.strip().splitlines()[-1]
+
+
+def test_same_bits_with_command_buffers():
+  plain = run_script("--xla_gpu_enable_command_buffer=")
+  graphs = run_script(
+      "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1")
+  assert plain == graphs
+
+
+def test_scan_over_layers():
+  L, T, H, I, E, k = 3, 512, 256, 128, 16, 4
+  rng = np.random.default_rng(8)
+  bf = lambda *s, scale=1.0: jnp.asarray(rng.standard_normal(s) * scale, jnp.bfloat16)
+  x = bf(T, H)
+  wr = bf(L, H, E, scale=H**-0.5)
+  wg, wu, wd = bf(L, E, H, I, scale=H**-0.5), bf(L, E, H, I, scale=H**-0.5), bf(L, E, I, H, scale=I**-0.5)
+
+  def model(x, params, backend):
+    def layer(x, p):
+      r, g, u, d = p
+      experts, weights = mok_jax.route((x @ r).astype(jnp.float32), k)
+      return x + mok_jax.moe(x, experts, weights, g, u, d, backend=backend), None
+    return jax.lax.scan(layer, x, params)[0]
+
+  run = jax.jit(model, static_argnums=2)
+  y_cuda = np.asarray(run(x, (wr, wg, wu, wd), "cuda").astype(jnp.float32))
+  y_xla = np.asarray(run(x, (wr, wg, wu, wd), "xla").astype(jnp.float32))
+  assert_close(y_cuda, y_xla, 3 * BF16_RTOL, "scan")
+
+
+def test_gradients_through_cuda_forward():
+  case = make_case(600, 128, 192, 8, 2, Is=64, dtype=BF16, seed=9)
+  _, got = loss_and_grads(case, "cuda")
+  _, want = loss_and_grads(case, "xla")
+  for name in want:
+    assert_close(got[name], want[name], BF16_GRAD_RTOL, f"d{name}")
+
+
+def test_auto_picks_cuda_for_bf16():
+  dims = ops.MoeDims(T=8, H=64, I=64, E=4, k=2, Is=0)
+  assert ops.cuda_unsupported_reason("gpu", BF16, dims, mok_jax.Config()) is None
+  assert "divisible by 64" in ops.cuda_unsupported_reason(
+      "gpu", BF16, dims._replace(H=96), mok_jax.Config())
