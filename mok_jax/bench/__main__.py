@@ -1,0 +1,143 @@
+"""python -m mok_jax.bench [--shapes qwen3_30b,dsv3] [--shape T,H,I,E,k] [--tiny] [--skew [S]]
+[--shared Is] [--impls ...] [--out runs/bench/bench.jsonl]; --help lists every option."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from mok_jax.bench import report, runner, shapes
+from mok_jax.bench.jobs import DTYPES
+from mok_jax.bench.peers import ALIASES, IMPLS, resolve
+from mok_jax.bench.shapes import MODES
+
+DEFAULT_OUT = os.path.join("runs", "bench", "bench.jsonl")
+# (full run, --tiny) defaults of the knobs that --tiny changes.
+DEFAULTS = {"warmup": (3, 1), "reps": (20, 3), "min_reps": (5, 2), "budget_s": (10.0, 1.0),
+            "sets": (3, 2), "peak_n": (None, 512)}
+
+
+def parse_args(argv):
+  p = argparse.ArgumentParser(
+      prog="python -m mok_jax.bench",
+      description="Time the MoE layer (forward, forward+backward) for mok_jax's backends and "
+      "its peers; print a table, append JSON lines to --out, draw a PNG chart.")
+  p.add_argument("--shapes", default=None,
+                 help=f"comma-separated named shapes: {', '.join(shapes.SHAPES)} (default: all "
+                 "four, unless --shape or --tiny is given)")
+  p.add_argument("--shape", action="append", default=[], metavar="T,H,I,E,k",
+                 help="a custom shape (repeatable)")
+  p.add_argument("--tiny", action="store_true",
+                 help="a small shape that runs on a CPU in seconds (f32 there), in-process, "
+                 "few repetitions")
+  p.add_argument("--shared", type=int, default=0, metavar="Is",
+                 help="add a shared expert of intermediate width Is to every shape")
+  p.add_argument("--skew", type=float, nargs="?", const=1.0, default=0.0, metavar="S",
+                 help="Zipf-skewed expert load with exponent S (1.0 if no value); default 0, "
+                 "uniform")
+  p.add_argument("--impls", default="",
+                 help=f"comma-separated implementations ({', '.join(IMPLS)}; aliases "
+                 f"{', '.join(ALIASES)}); default: the mok_jax backends of the platform and "
+                 "every peer")
+  p.add_argument("--modes", default=",".join(MODES), help="fwd, fwd+bwd or both (default)")
+  p.add_argument("--dtype", choices=DTYPES, default="auto",
+                 help="auto: bf16 on a GPU, f32 on a CPU")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--warmup", type=int, default=None, help="untimed calls (default 3; tiny 1)")
+  p.add_argument("--reps", type=int, default=None, help="timed calls (default 20; tiny 3)")
+  p.add_argument("--min-reps", type=int, default=None,
+                 help="timed calls kept when --budget-s cuts them (default 5; tiny 2)")
+  p.add_argument("--budget-s", type=float, default=None,
+                 help="seconds of timed calls per mode before cutting --reps (default 10)")
+  p.add_argument("--sets", type=int, default=None,
+                 help="input sets (tokens, routing, dy) the calls rotate through (default 3)")
+  p.add_argument("--peak-n", type=int, default=None,
+                 help="size n of the dense n^3 matmul peak (default 8192 on a GPU, 1024 on a "
+                 "CPU; tiny 512)")
+  p.add_argument("--isolate", choices=("auto", "yes", "no"), default="auto",
+                 help="a fresh process per job (yes), or all in this one (no); auto: no with "
+                 "--tiny, else yes")
+  p.add_argument("--job-timeout", type=float, default=300.0,
+                 help="seconds before a job's worker is killed and reported as timed out")
+  p.add_argument("--out", default=DEFAULT_OUT,
+                 help=f"JSON lines file to append to (default {DEFAULT_OUT}); the table goes "
+                 "next to it as .txt, the chart as .png")
+  p.add_argument("--png", default=None, help="chart path (default: --out with .png)")
+  p.add_argument("--logs", default=None, help="folder for the workers' logs (default: a temp "
+                 "folder)")
+  p.add_argument("--report", metavar="JSONL", default=None,
+                 help="measure nothing: print the table and draw the chart of the newest "
+                 "records in this file (for runs split over several commands)")
+  args = p.parse_args(argv)
+  for name, (full, tiny) in DEFAULTS.items():
+    if getattr(args, name) is None:
+      setattr(args, name, tiny if args.tiny else full)
+  args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+  for mode in args.modes:
+    if mode not in MODES:
+      p.error(f"--modes: unknown mode {mode!r}; known: {', '.join(MODES)}")
+  if args.skew < 0:
+    p.error("--skew must be >= 0")
+  if min(args.reps, args.min_reps, args.sets, args.peak_n or 1) < 1 or args.warmup < 0:
+    p.error("--reps, --min-reps, --sets and --peak-n must be >= 1, --warmup >= 0")
+  return args, p
+
+
+def _paths(args):
+  stem = os.path.splitext(args.out)[0]
+  return stem + ".txt", args.png or stem + ".png", stem + ".partial.jsonl"
+
+
+def _render(derived, args) -> str:
+  """Writes the table (.txt) and the chart (.png) of derived records; returns the table."""
+  text_path, png_path, _ = _paths(args)
+  text = report.table(derived)
+  os.makedirs(os.path.dirname(os.path.abspath(text_path)), exist_ok=True)
+  with open(text_path, "w") as f:
+    f.write(text + "\n")
+  try:
+    drawn = report.chart(derived, png_path)
+  except Exception as exc:  # pylint: disable=broad-except  # a chart never loses the numbers
+    drawn = None
+    print(f"chart failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+  print(f"table: {text_path}; chart: {drawn or 'not drawn (matplotlib missing)'}",
+        file=sys.stderr)
+  return text
+
+
+def main(argv=None) -> int:
+  args, parser = parse_args(sys.argv[1:] if argv is None else argv)
+  # Records stream to the .partial.jsonl file while a run goes on; if the run is cut short,
+  # `--report` on that file shows what it measured.
+  if args.report:
+    derived = report.derive(report.latest(report.read_jsonl(args.report)))
+    print(_render(derived, args))
+    return 0
+  try:
+    chosen = shapes.select(args.shapes, args.shape, args.tiny, args.shared)
+    resolve(args.impls, "gpu")  # names are checked now, the platform's defaults later
+  except ValueError as exc:
+    parser.error(str(exc))
+  _, _, partial = _paths(args)
+  os.makedirs(os.path.dirname(os.path.abspath(partial)), exist_ok=True)
+  if os.path.exists(partial):
+    os.remove(partial)
+  isolate = {"yes": True, "no": False, "auto": not args.tiny}[args.isolate]
+  opts = runner.Options(
+      shapes=chosen, impls=args.impls, modes=args.modes, dtype=args.dtype, seed=args.seed,
+      skew=args.skew, sets=args.sets, warmup=args.warmup, reps=args.reps,
+      min_reps=args.min_reps, budget_s=args.budget_s, peak_n=args.peak_n, isolate=isolate,
+      job_timeout_s=args.job_timeout, log_dir=args.logs, partial_path=partial)
+  records = runner.Runner(opts).run()
+  derived = report.derive(records)
+  report.write_jsonl(derived, args.out)
+  os.remove(partial)
+  print(f"records: {args.out}", file=sys.stderr)
+  print(_render(derived, args))
+  ok = any(r.get("kind") == "moe" and r.get("status") == "ok" for r in derived)
+  return 0 if ok else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,308 @@
+"""Derived figures (TFLOP/s, % of the measured peak, speed-up over the best peer, checksum
+agreement), the text table, the JSON lines and the PNG chart.
+
+Derived figures are computed from the raw ones whenever records are reported, so that a file of
+records from several runs (or a run cut short) can be reported again with `--report FILE`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+from mok_jax.bench.peers import IMPLS
+from mok_jax.bench.shapes import MODES
+
+# Relative tolerance on the sum |.| checksums of one implementation against the reference. The
+# layer's rounding points differ a little between frameworks (torch rounds g and u to bf16),
+# so this catches wrong results, not rounding.
+CHECK_TOL = {"bf16": 2e-2, "f32": 1e-3}
+REFERENCE_ORDER = ("mok_jax:xla", "jax.ragged_dot", "tokamax.ragged_dot", "torch._grouped_mm")
+STATUS_TEXT = {"oom": "out of memory", "error": "error", "unavailable": "n/a",
+               "timeout": "timeout", "crashed": "crashed"}
+GIB = 1024 ** 3
+
+
+def read_jsonl(path: str) -> list[dict]:
+  records = []
+  with open(path) as f:
+    for line in f:
+      line = line.strip()
+      if line:
+        records.append(json.loads(line))
+  return records
+
+
+def write_jsonl(records: list[dict], path: str):
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "a") as f:
+    for record in records:
+      f.write(json.dumps(record) + "\n")
+
+
+def case_key(r: dict) -> tuple:
+  """Records with the same key timed the same work on the same inputs."""
+  return (r.get("shape"), r.get("T"), r.get("H"), r.get("I"), r.get("E"), r.get("k"),
+          r.get("Is"), r.get("dtype"), r.get("skew"), r.get("seed"), r.get("mode"))
+
+
+def latest(records: list[dict]) -> list[dict]:
+  """The newest record of each (case, implementation), and the newest peak of each device and
+  dtype, in first-seen order: for reporting a file that several runs appended to."""
+  keep: dict[tuple, dict] = {}
+  for r in records:
+    if r.get("kind") == "peak":
+      key = ("peak", r.get("device"), r.get("dtype"))
+    else:
+      key = ("moe", case_key(r), r.get("impl"))
+    if key not in keep or (r.get("date") or "") >= (keep[key].get("date") or ""):
+      keep.pop(key, None)
+      keep[key] = r
+  return list(keep.values())
+
+
+def tflops(flops: int, ms: float) -> float:
+  return flops / (ms * 1e-3) / 1e12
+
+
+def derive(records: list[dict]) -> list[dict]:
+  """Copies of the records with tflops, pct_of_peak, best_peer, speedup_vs_best_peer, check."""
+  out = [dict(r) for r in records]
+  peaks_by_run, peaks_by_dtype = {}, {}
+  for r in out:
+    if r.get("kind") == "peak" and r.get("status") == "ok":
+      r["tflops"] = tflops(r["flops"], r["ms"]["median"])
+      peaks_by_run[(r.get("run_id"), r.get("dtype"))] = r["tflops"]
+      peaks_by_dtype[r.get("dtype")] = r["tflops"]
+  cases: dict[tuple, list[dict]] = {}
+  for r in out:
+    if r.get("kind") != "moe":
+      continue
+    cases.setdefault(case_key(r), []).append(r)
+    if r.get("status") == "ok":
+      r["tflops"] = tflops(r["flops"], r["ms"]["median"])
+      peak = peaks_by_run.get((r.get("run_id"), r.get("dtype")),
+                              peaks_by_dtype.get(r.get("dtype")))
+      r["peak_tflops"] = peak
+      r["pct_of_peak"] = 100.0 * r["tflops"] / peak if peak else None
+  for rows in cases.values():
+    ok = [r for r in rows if r.get("status") == "ok"]
+    peers_ok = [r for r in ok if r.get("group") == "peer"]
+    best = min(peers_ok, key=lambda r: r["ms"]["median"]) if peers_ok else None
+    for r in ok:
+      r["best_peer"] = best["impl"] if best else None
+      r["speedup_vs_best_peer"] = best["ms"]["median"] / r["ms"]["median"] if best else None
+    _check(ok)
+  return out
+
+
+def _check(ok: list[dict]):
+  by_impl = {r["impl"]: r for r in ok if isinstance(r.get("check"), dict)}
+  ref = next((by_impl[name] for name in REFERENCE_ORDER if name in by_impl), None)
+  for r in ok:
+    if r is ref:
+      r["check_vs"], r["check_result"] = None, "reference"
+      continue
+    if ref is None or r["impl"] not in by_impl:
+      r["check_vs"], r["check_result"] = None, None
+      continue
+    tol = CHECK_TOL.get(r.get("dtype"), 2e-2)
+    bad = []
+    for name, want in ref["check"].items():
+      got = r["check"].get(name)
+      if got is None:
+        continue
+      if not (isinstance(got, (int, float)) and isinstance(want, (int, float))):
+        if got != want:
+          bad.append(f"{name} {got} vs {want}")
+        continue
+      rel = abs(got - want) / max(abs(want), 1e-30)
+      if rel > tol:
+        bad.append(f"{name} off by {rel:.2g}")
+    r["check_vs"] = ref["impl"]
+    r["check_result"] = "ok" if not bad else "mismatch: " + ", ".join(bad)
+
+
+# -- the table -----------------------------------------------------------------------------------
+
+
+def _fmt_ms(ms: float) -> str:
+  if ms >= 100:
+    return f"{ms:.1f}"
+  if ms >= 1:
+    return f"{ms:.2f}"
+  return f"{ms:.4f}"
+
+
+def _fmt_tf(tf: float) -> str:
+  return f"{tf:.1f}" if tf >= 1 else f"{tf:.3g}"
+
+
+class _Notes:
+  """Numbered footnotes, one per distinct text."""
+
+  def __init__(self):
+    self.texts: list[str] = []
+
+  def ref(self, text: str) -> str:
+    if text not in self.texts:
+      self.texts.append(text)
+    return f"[{self.texts.index(text) + 1}]"
+
+
+def _header(records: list[dict]) -> list[str]:
+  first = next((r for r in records if r.get("kind") == "moe"), records[0])
+  versions = first.get("versions") or {}
+  shown = ", ".join(f"{name} {versions[name]}" for name in
+                    ("jax", "jaxlib", "jax-cuda13-plugin", "tokamax", "torch")
+                    if versions.get(name))
+  skew = first.get("skew") or 0
+  lines = [
+      f"MoE layer benchmark (mok_jax.bench) on {first.get('device') or '?'} "
+      f"({first.get('platform') or '?'}), {first.get('dtype')}, "
+      f"routing {'Zipf skew ' + str(skew) if skew else 'uniform'}",
+      f"{first.get('date')}  run {first.get('run_id')}  commit {first.get('commit')}  "
+      f"{shown}",
+  ]
+  for r in records:
+    if r.get("kind") == "peak":
+      if r.get("status") == "ok":
+        lines.append(f"dense {r.get('dtype')} matmul {r['n']}^3 (jnp.dot, jit): "
+                     f"{_fmt_ms(r['ms']['median'])} ms = {r['tflops']:.1f} TFLOP/s, the 100% "
+                     "of '% peak'")
+      else:
+        lines.append(f"dense matmul peak: {STATUS_TEXT.get(r.get('status'), r.get('status'))}"
+                     f" ({r.get('reason')})")
+  lines.append("TF/s = FLOPs / median time; FLOPs = 2*T*k*3*H*I (+ 2*T*3*H*Is shared) per "
+               "forward, x3 for fwd+bwd; 'vs best peer' = best peer's median / this median")
+  return lines
+
+
+def table(records: list[dict]) -> str:
+  """The text table of derived records: one block per mode, a line per shape and a row per
+  implementation under it; reasons for failures and notes numbered under the table."""
+  moe = [r for r in records if r.get("kind") == "moe"]
+  if not moe:
+    return "\n".join(_header(records) + ["(no MoE records)"])
+  notes = _Notes()
+  widths = (24, 10, 19, 8, 7, 8, 8, 9)
+  head = ("  impl", "median ms", "min-max ms", "TF/s", "% peak", "vs peer", "mem GiB",
+          "compile s")
+  lines = _header(records)
+  for mode in MODES:
+    rows = [r for r in moe if r.get("mode") == mode]
+    if not rows:
+      continue
+    lines += ["", f"== {mode} ==", "  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip()]
+    last_case = None
+    for r in rows:
+      if case_key(r) != last_case:
+        last_case = case_key(r)
+        load = r.get("load") or {}
+        lines.append(f"{r['shape']}  T={r['T']} H={r['H']} I={r['I']} E={r['E']} k={r['k']}"
+                     + (f" Is={r['Is']}" if r.get("Is") else "")
+                     + (f"  (routes per expert: max/mean {load['max_over_mean']:.2f}, "
+                        f"{load['empty_experts']} empty)" if load else ""))
+      impl = "  " + r["impl"]
+      if r.get("note"):
+        impl += " " + notes.ref(f"{r['impl']}: {r['note']}")
+      if r.get("status") == "ok":
+        ms = r["ms"]
+        check = r.get("check_result")
+        median = _fmt_ms(ms["median"])
+        if check and check.startswith("mismatch"):
+          median += " !" + notes.ref(f"{r['impl']} on {r['shape']} {mode}: output checksums "
+                                     f"disagree with {r.get('check_vs')}: {check}")
+        speed = r.get("speedup_vs_best_peer")
+        mem = r.get("peak_mem_bytes")
+        cells = (median, f"{_fmt_ms(ms['min'])}-{_fmt_ms(ms['max'])}", _fmt_tf(r["tflops"]),
+                 f"{r['pct_of_peak']:.1f}" if r.get("pct_of_peak") is not None else "-",
+                 f"{speed:.2f}x" if speed else "-",
+                 f"{mem / GIB:.2f}" if mem else "-",
+                 f"{r['compile_s']:.1f}" if r.get("compile_s") is not None else "-")
+      else:
+        status = STATUS_TEXT.get(r.get("status"), r.get("status") or "?")
+        reason = r.get("reason") or ""
+        cells = (f"{status} {notes.ref(reason)}" if reason else status,) + ("",) * 6
+      lines.append("  ".join(str(c).ljust(w) for c, w in zip((impl,) + cells, widths)).rstrip())
+  if notes.texts:
+    lines.append("")
+    lines.extend(f"[{i + 1}] {text}" for i, text in enumerate(notes.texts))
+  mem_scopes = {r.get("mem_scope") for r in moe if r.get("peak_mem_bytes")}
+  if mem_scopes:
+    lines.append("")
+    lines.append("mem GiB: peak device memory of the run, inputs included"
+                 + (" (a fresh process per shape and implementation; fwd+bwd runs after fwd "
+                    "in it, so its peak covers both)" if "worker" in mem_scopes else
+                    " (process-wide high-water mark: JAX cannot reset it)"))
+  return "\n".join(lines)
+
+
+# -- the chart -----------------------------------------------------------------------------------
+
+
+def chart(records: list[dict], path: str) -> str | None:
+  """Bar chart of TF/s per shape and implementation, one panel per mode, the dense peak as a
+  line; failed runs are labelled where their bar would be. Returns the path, or None when
+  matplotlib is missing."""
+  try:
+    import matplotlib  # pylint: disable=import-outside-toplevel
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return None
+  moe = [r for r in records if r.get("kind") == "moe"]
+  shapes = list(dict.fromkeys(r["shape"] for r in moe))
+  impls = [name for name in IMPLS if any(r["impl"] == name for r in moe)]
+  modes = [m for m in MODES if any(r["mode"] == m for r in moe)]
+  peak = next((r.get("tflops") for r in records if r.get("kind") == "peak"
+               and r.get("status") == "ok"), None)
+  colors = dict(zip(IMPLS, ("#d62728", "#ff7f0e", "#9467bd", "#1f77b4", "#2ca02c", "#8c564b")))
+  fig, axes = plt.subplots(len(modes), 1, figsize=(max(7.0, 1.9 * len(shapes) + 3.0),
+                                                   3.6 * len(modes)), squeeze=False)
+  width = 0.8 / max(len(impls), 1)
+  for ax, mode in zip(axes[:, 0], modes):
+    top = max([r.get("tflops") or 0 for r in moe if r["mode"] == mode] + [peak or 0, 1e-9])
+    for j, impl in enumerate(impls):
+      for i, shape in enumerate(shapes):
+        r = next((r for r in moe if r["shape"] == shape and r["impl"] == impl
+                  and r["mode"] == mode), None)
+        if r is None:
+          continue
+        x = i + (j - (len(impls) - 1) / 2) * width
+        if r.get("status") == "ok":
+          ax.bar(x, r["tflops"], width, color=colors.get(impl), label=IMPLS[impl].label
+                 if i == 0 else None)
+        else:
+          label = {"oom": "OOM", "unavailable": "n/a"}.get(r.get("status"), r.get("status"))
+          ax.bar(x, 0, width, color=colors.get(impl), label=IMPLS[impl].label
+                 if i == 0 else None)
+          ax.text(x, top * 0.01, label, rotation=90, ha="center", va="bottom", fontsize=7,
+                  color=colors.get(impl))
+    if peak:
+      ax.axhline(peak, color="black", linestyle="--", linewidth=1)
+      ax.text(len(shapes) - 0.52, peak, f"dense matmul {peak:.3g} TFLOP/s", va="bottom",
+              ha="right", fontsize=8)
+    ax.set_xlim(-0.5, len(shapes) - 0.5)
+    ax.set_xticks(range(len(shapes)))
+    ax.set_xticklabels(shapes)
+    ax.set_ylabel("TFLOP/s")
+    ax.set_ylim(0, top * 1.12)
+    ax.set_title(mode, fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+  first = moe[0] if moe else {}
+  fig.suptitle(f"MoE layer on {first.get('device', '?')}, {first.get('dtype', '?')} "
+               f"({(first.get('date') or '')[:10]})", fontsize=11)
+  handles, labels = axes[0, 0].get_legend_handles_labels()
+  if handles:
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 3), fontsize=8,
+               frameon=False)
+  height = fig.get_size_inches()[1]
+  legend_rows = math.ceil(len(impls) / 3)
+  fig.tight_layout(rect=(0, (0.15 + 0.2 * legend_rows) / height, 1, 1 - 0.4 / height))
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path

@@ -1,0 +1,254 @@
+"""`python -m mok_jax.bench`: the --tiny run on CPU, its JSON lines, table and chart; the
+figures derived from records; a worker that dies.
+
+The tiny run goes through a subprocess with JAX on the CPU, and a stand-in `tokamax` package
+on its path (it takes the call the way tokamax.ragged_dot does and runs jax.lax.ragged_dot,
+refusing the GPU implementations), so the tokamax peer's code path runs too. torch is not
+given a GPU, so its row must say why it did not run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from mok_jax.bench import report, runner, shapes, timing
+
+
+def expected_flops(T, H, I, E, k, Is, mode):
+  """Reference: 2*T*k*3*H*I per forward (+ 2*T*3*H*Is shared), x3 for forward+backward."""
+  del E
+  forward = 2 * T * k * 3 * H * I + 2 * T * 3 * H * Is
+  return forward if mode == "fwd" else 3 * forward
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OK_FIELDS = ("run_id", "date", "impl", "group", "mode", "status", "device", "platform", "dtype",
+             "shape", "T", "H", "I", "E", "k", "Is", "flops", "ms", "tflops", "pct_of_peak",
+             "compile_s", "machine", "versions", "check", "check_result", "load")
+FAILED_STATUSES = ("oom", "error", "unavailable", "timeout", "crashed")
+
+FAKE_TOKAMAX = '''
+"""Test double of tokamax: ragged_dot's signature; the GPU implementations refuse."""
+import jax
+
+__version__ = "0.0.0+test"
+
+
+def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=None,
+               group_offset=None, *, implementation=None, bypass_device_check=None, **kwargs):
+  if implementation in ("mosaic", "triton"):
+    raise NotImplementedError(f"{implementation} needs a GPU (test double)")
+  return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=precision,
+                            preferred_element_type=preferred_element_type)
+'''
+
+
+def _env(extra_path=None):
+  env = dict(os.environ)
+  env["JAX_PLATFORMS"] = "cpu"
+  env["CUDA_VISIBLE_DEVICES"] = ""  # a torch that is installed finds no GPU
+  # conftest.py splits the CPU into 8 devices for the sharding tests; one is enough here.
+  flags = env.get("XLA_FLAGS", "").split()
+  env["XLA_FLAGS"] = " ".join(f for f in flags if "force_host_platform_device_count" not in f)
+  paths = [REPO] + ([extra_path] if extra_path else [])
+  env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+  return env
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("bench")
+  fake = tmp / "fake"
+  (fake / "tokamax").mkdir(parents=True)
+  (fake / "tokamax" / "__init__.py").write_text(textwrap.dedent(FAKE_TOKAMAX))
+  out = tmp / "out" / "bench.jsonl"
+  proc = subprocess.run([sys.executable, "-m", "mok_jax.bench", "--tiny", "--out", str(out)],
+                        cwd=REPO, env=_env(str(fake)), capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  records = [json.loads(line) for line in out.read_text().splitlines()]
+  return out, records, proc.stdout
+
+
+def test_tiny_records_have_every_figure(tiny_run):
+  _, records, _ = tiny_run
+  moe = [r for r in records if r["kind"] == "moe"]
+  assert {r["impl"] for r in moe} == {"mok_jax:xla", "mok_jax:ffi", "jax.ragged_dot",
+                                       "tokamax.ragged_dot", "torch._grouped_mm"}
+  assert len({r["run_id"] for r in records}) == 1
+  for shape in shapes.TINY:
+    for mode in shapes.MODES:
+      rows = [r for r in moe if r["shape"] == shape.name and r["mode"] == mode]
+      assert len(rows) == 5, rows
+      for r in rows:
+        assert r["flops"] == expected_flops(shape.T, shape.H, shape.I, shape.E, shape.k, 0,
+                                            mode)
+        if r["status"] != "ok":
+          continue
+        missing = [f for f in OK_FIELDS if f not in r]
+        assert not missing, (r["impl"], missing)
+        assert r["platform"] == "cpu" and r["dtype"] == "f32"
+        ms = r["ms"]
+        assert 0 < ms["min"] <= ms["p25"] <= ms["median"] <= ms["p75"] <= ms["max"]
+        assert ms["n"] >= 2 and r["compile_s"] >= 0
+        assert r["tflops"] == pytest.approx(r["flops"] / (ms["median"] * 1e-3) / 1e12)
+        assert r["pct_of_peak"] > 0
+        assert r["speedup_vs_best_peer"] > 0 and r["best_peer"] in ("jax.ragged_dot",
+                                                                     "tokamax.ragged_dot")
+        assert r["check_result"] in ("reference", "ok"), r["check_result"]
+
+
+def test_tiny_backends_and_peers_ran(tiny_run):
+  _, records, _ = tiny_run
+  status = {(r["impl"], r["mode"]): r for r in records if r["kind"] == "moe"}
+  for impl in ("mok_jax:xla", "mok_jax:ffi", "jax.ragged_dot", "tokamax.ragged_dot"):
+    for mode in shapes.MODES:
+      assert status[impl, mode]["status"] == "ok", status[impl, mode]
+  note = status["tokamax.ragged_dot", "fwd"]["note"]
+  assert "fell back to 'xla'" in note and "needs a GPU" in note
+
+
+def test_tiny_failed_peer_is_reported_with_reason(tiny_run):
+  _, records, stdout = tiny_run
+  torch_rows = [r for r in records if r["impl"] == "torch._grouped_mm"]
+  assert len(torch_rows) == len(shapes.MODES)
+  for r in torch_rows:
+    assert r["status"] in FAILED_STATUSES
+    assert "torch" in r["reason"]
+    assert "ms" not in r
+  assert "torch._grouped_mm" in stdout and "n/a [" in stdout
+
+
+def test_tiny_peak_table_and_chart(tiny_run):
+  out, records, stdout = tiny_run
+  peaks = [r for r in records if r["kind"] == "peak"]
+  assert len(peaks) == 1 and peaks[0]["status"] == "ok"
+  assert peaks[0]["flops"] == 2 * peaks[0]["n"] ** 3 and peaks[0]["tflops"] > 0
+  assert out.with_suffix(".png").stat().st_size > 1000
+  assert out.with_suffix(".txt").read_text().strip() == stdout.strip()
+  for heading in ("== fwd ==", "== fwd+bwd ==", "TF/s", "% peak", "vs peer"):
+    assert heading in stdout
+  assert not out.with_name("bench.partial.jsonl").exists()
+
+
+def test_report_rerenders_a_file(tiny_run, tmp_path):
+  out, _, stdout = tiny_run
+  again = tmp_path / "again.jsonl"
+  proc = subprocess.run([sys.executable, "-m", "mok_jax.bench", "--report", str(out), "--out",
+                         str(again)], cwd=REPO, env=_env(), capture_output=True, text=True,
+                        timeout=120)
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.strip() == stdout.strip()
+  assert (tmp_path / "again.png").exists() and not again.exists()
+
+
+def _isolated_runner(tmp_path, timeout_s=120.0):
+  opts = runner.Options(shapes=list(shapes.TINY), impls="xla", modes=list(shapes.MODES),
+                        dtype="auto", seed=0, skew=0.0, sets=1, warmup=0, reps=1, min_reps=1,
+                        budget_s=1.0, peak_n=8, isolate=True, job_timeout_s=timeout_s,
+                        log_dir=str(tmp_path))
+  run = runner.Runner(opts)
+  return run, run._job("moe", "mok_jax:xla", shapes.TINY[0])
+
+
+def test_worker_error_becomes_an_error_row(tmp_path):
+  run, job = _isolated_runner(tmp_path)
+  job["shape"] = {"name": "bad", "T": 0, "H": 1, "I": 1, "E": 1, "k": 1}
+  result, scope = run._execute(job, "bad")
+  assert scope == "worker"
+  assert [r["status"] for r in result["records"]] == ["error", "error"]
+  assert all("T must be a positive int" in r["reason"] for r in result["records"])
+
+
+def test_dead_or_hung_worker_becomes_a_row(tmp_path, monkeypatch):
+  run, job = _isolated_runner(tmp_path, timeout_s=1.0)
+  monkeypatch.setattr(runner, "WORKER", [sys.executable, "-c",
+                                         "import sys; print('boom'); sys.exit(3)"])
+  result, _ = run._execute(job, "dies")
+  assert [r["status"] for r in result["records"]] == ["crashed", "crashed"]
+  assert "exit code 3: boom" in result["records"][0]["reason"]
+  monkeypatch.setattr(runner, "WORKER", [sys.executable, "-c", "import time; time.sleep(60)"])
+  result, _ = run._execute(job, "hangs")
+  assert [r["status"] for r in result["records"]] == ["timeout", "timeout"]
+
+
+@pytest.mark.parametrize("mode,factor", [("fwd", 1), ("fwd+bwd", 3)])
+def test_flops(mode, factor):
+  s = shapes.SHAPES["qwen3_30b"]
+  assert s.flops(mode) == factor * 2 * 16384 * 8 * 3 * 2048 * 768
+  shared = shapes.Shape("s", 4, 8, 16, 2, 1, Is=32)
+  assert shared.flops(mode) == expected_flops(4, 8, 16, 2, 1, 32, mode)
+
+
+@pytest.mark.parametrize("text,error", [("1,2,3,4", "five"), ("1,2,3,4,x", "five"),
+                                        ("8,8,8,2,4", "exceeds"), ("0,8,8,2,1", "positive")])
+def test_bad_shape(text, error):
+  with pytest.raises(ValueError, match=error):
+    shapes.parse_shape(text)
+
+
+def test_select_shapes():
+  assert [s.name for s in shapes.select("dsv3,mixtral", [], False, 0)] == ["dsv3", "mixtral"]
+  assert [s.name for s in shapes.select(None, [], False, 0)] == list(shapes.SHAPES)
+  custom = shapes.select(None, ["64,32,16,4,2"], False, 8)
+  assert custom[0].dims == (64, 32, 16, 4, 2) and custom[0].Is == 8
+  with pytest.raises(ValueError, match="unknown shape"):
+    shapes.select("qwen", [], False, 0)
+
+
+def test_timing_summary_and_budget():
+  stats = timing.summarize([0.004, 0.001, 0.002, 0.003])
+  assert stats["median"] == pytest.approx(2.5) and stats["min"] == pytest.approx(1.0)
+  assert stats["max"] == pytest.approx(4.0) and stats["n"] == 4
+  assert stats["p25"] == pytest.approx(1.75) and stats["p75"] == pytest.approx(3.25)
+  assert timing.plan_reps(0.3, reps=20, min_reps=5, budget_s=10) == 20
+  assert timing.plan_reps(1.0, reps=20, min_reps=5, budget_s=10) == 10
+  assert timing.plan_reps(100.0, reps=20, min_reps=5, budget_s=10) == 5
+
+
+def _record(impl, group, ms, check, mode="fwd", status="ok", run_id="r"):
+  r = {"kind": "moe", "run_id": run_id, "date": "d", "impl": impl, "group": group,
+       "mode": mode, "status": status, "shape": "s", "T": 4, "H": 8, "I": 16, "E": 2, "k": 1,
+       "Is": 0, "dtype": "bf16", "skew": 0.0, "seed": 0, "flops": int(1e12)}
+  if status == "ok":
+    r.update(ms={"median": ms, "min": ms, "max": ms}, check=check)
+  else:
+    r["reason"] = "out of memory"
+  return r
+
+
+def test_derive_speedup_peak_and_checks():
+  peak = {"kind": "peak", "run_id": "r", "status": "ok", "dtype": "bf16", "n": 10000,
+          "flops": int(2e12), "ms": {"median": 2.0}}
+  records = [peak,
+             _record("mok_jax:cuda", "mok_jax", 1.0, {"y": 100.0}),
+             _record("mok_jax:xla", "mok_jax", 10.0, {"y": 100.0}),
+             _record("jax.ragged_dot", "peer", None, None, status="oom"),
+             _record("tokamax.ragged_dot", "peer", 4.0, {"y": 100.5}),
+             _record("torch._grouped_mm", "peer", 2.0, {"y": 150.0})]
+  got = {r.get("impl"): r for r in report.derive(records)}
+  assert got[None]["tflops"] == pytest.approx(1000.0)
+  cuda = got["mok_jax:cuda"]
+  assert cuda["tflops"] == pytest.approx(1000.0) and cuda["pct_of_peak"] == pytest.approx(100)
+  assert cuda["best_peer"] == "torch._grouped_mm"
+  assert cuda["speedup_vs_best_peer"] == pytest.approx(2.0)
+  assert got["mok_jax:xla"]["check_result"] == "reference"
+  assert got["tokamax.ragged_dot"]["check_result"] == "ok"
+  assert got["torch._grouped_mm"]["check_result"].startswith("mismatch")
+  assert "tflops" not in got["jax.ragged_dot"]
+  text = report.table(report.derive(records))
+  assert "out of memory [" in text and "disagree with mok_jax:xla" in text
+
+
+def test_latest_keeps_newest_record_per_case():
+  old = dict(_record("jax.ragged_dot", "peer", 5.0, {}), date="2026-01-01")
+  new = dict(_record("jax.ragged_dot", "peer", 4.0, {}), date="2026-02-01")
+  other = dict(_record("jax.ragged_dot", "peer", 3.0, {}, mode="fwd+bwd"), date="2026-01-01")
+  kept = report.latest([old, new, other])
+  assert [r["ms"]["median"] for r in kept] == [4.0, 3.0]
