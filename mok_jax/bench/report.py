@@ -174,8 +174,10 @@ def _header(records: list[dict]) -> list[str]:
       else:
         lines.append(f"dense matmul peak: {STATUS_TEXT.get(r.get('status'), r.get('status'))}"
                      f" ({r.get('reason')})")
-  lines.append("TF/s = FLOPs / median time; FLOPs = 2*T*k*3*H*I (+ 2*T*3*H*Is shared) per "
-               "forward, x3 for fwd+bwd; 'vs best peer' = best peer's median / this median")
+  lines.append("TF/s = FLOPs / median; FLOPs = 2*T*k*3*H*I (+ 2*T*3*H*Is shared) per forward, "
+               "x3 for fwd+bwd")
+  lines.append("vs peer = the best peer's median / this median; compile s = jit lower+compile "
+               "(JAX), first call (eager PyTorch)")
   return lines
 
 
