@@ -12,6 +12,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mok_jax import ops, reference
 from mok_jax.config import Config
@@ -115,7 +116,7 @@ def moe(x, experts, weights, w_gate, w_up, w_down, *, shared=None, axis_name=Non
   elif not isinstance(config, Config):
     raise ValueError(f"moe: config must be a mok_jax.Config, got {type(config).__name__}")
   n_ranks = 1 if axis_name is None else jax.lax.axis_size(axis_name)
-  experts, weights = jnp.asarray(experts), jnp.asarray(weights)
+  experts, weights = _as_ids(experts), jnp.asarray(weights)
   dims = ops.check_moe_args(x, experts, weights, w_gate, w_up, w_down, shared)
   if not jnp.issubdtype(experts.dtype, jnp.integer):
     raise ValueError(f"moe: experts must be an integer array, got {experts.dtype}")
@@ -141,6 +142,23 @@ def moe(x, experts, weights, w_gate, w_up, w_down, *, shared=None, axis_name=Non
   if shared is not None:
     y = y + reference.shared_mlp(x, shared)
   return y.astype(x.dtype)
+
+
+def _as_ids(experts):
+  """experts as a JAX array, with no host id wrapped onto a valid one.
+
+  With x64 off JAX keeps a host array of 64-bit ids in 32 bits, which would turn 2**32 + 3 into
+  expert 3; an id that does not fit in int32 (out of range for any E) becomes -1 first.
+  """
+  if isinstance(experts, jax.Array):
+    return experts
+  host = np.asarray(experts)
+  if (np.issubdtype(host.dtype, np.integer)
+      and jax.dtypes.canonicalize_dtype(host.dtype).itemsize < host.dtype.itemsize):
+    fits = (host >= 0) & (host <= np.iinfo(np.int32).max)
+    host = np.where(fits, host, 0).astype(np.int32)
+    host[~fits] = -1
+  return jnp.asarray(host)
 
 
 def _local_ids(experts, first, n_local):
@@ -174,20 +192,50 @@ def _local_impl(backend, dtype, dims, config):
 
 
 def _moe_ffi(x, experts, weights, w_gate, w_up, w_down, shared, *, out_dtype, config):
-  return _moe_ffi_vjp(jnp.dtype(out_dtype), config, x, experts, weights, w_gate, w_up, w_down,
-                      shared)
+  # Under shard_map (check_vma=True) a custom call needs operands that vary over the same mesh
+  # axes. Casting them here, outside the custom VJP, lets JAX transpose the cast: the gradient
+  # of an operand that is the same on every rank (a replicated weight) is summed over ranks.
+  args = (x, experts, weights, w_gate, w_up, w_down, shared)
+  axes = frozenset().union(*map(_varying_axes, jax.tree.leaves(args)))
+  return _moe_ffi_vjp(jnp.dtype(out_dtype), config, *_vary(args, axes))
+
+
+def _varying_axes(a) -> frozenset:
+  """The shard_map axes over which `a` varies; empty outside shard_map or with check_vma off."""
+  aval = jax.typeof(a)
+  if hasattr(aval, "vma"):
+    return frozenset(aval.vma)
+  return frozenset(getattr(getattr(aval, "mat", None), "varying", ()))
+
+
+def _vary(tree, axes):
+  """Types every leaf as varying over `axes` (a no-op at run time).
+
+  The results of a custom call come back typed as varying over no axis, although a call on
+  every rank of a shard_map returns what varies like its operands."""
+
+  def cast(a):
+    missing = tuple(sorted(axes - _varying_axes(a), key=str))
+    if not missing:
+      return a
+    if hasattr(jax.lax, "pcast"):
+      return jax.lax.pcast(a, missing, to="varying")
+    return jax.lax.pvary(a, missing)  # older jax
+
+  return jax.tree.map(cast, tree)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _moe_ffi_vjp(out_dtype, config, x, experts, weights, w_gate, w_up, w_down, shared):
   y, _ = ops.moe_fwd(x, experts, weights, w_gate, w_up, w_down, shared, out_dtype=out_dtype,
                      block_m=config.block_m)
-  return y
+  return _vary(y, _varying_axes(x))
 
 
 def _moe_ffi_fwd(out_dtype, config, x, experts, weights, w_gate, w_up, w_down, shared):
   y, residuals = ops.moe_fwd(x, experts, weights, w_gate, w_up, w_down, shared,
                              out_dtype=out_dtype, block_m=config.block_m)
+  y, residuals = _vary((y, residuals), _varying_axes(x))
   return y, (x, experts, weights, w_gate, w_up, w_down, shared, residuals)
 
 
@@ -196,6 +244,7 @@ def _moe_ffi_bwd(out_dtype, config, saved, dy):
   x, experts, weights, w_gate, w_up, w_down, shared, residuals = saved
   grads = ops.moe_bwd(dy, x, experts, weights, w_gate, w_up, w_down, shared, residuals,
                       block_m=config.block_m)
+  grads = _vary(grads, _varying_axes(x))
   return (grads.x, None, grads.weights, grads.w_gate, grads.w_up, grads.w_down, grads.shared)
 
 

@@ -76,7 +76,7 @@ def moe_local(x, experts, weights, w_gate, w_up, w_down, shared, *, out_dtype, c
   h = swiglu(dot(xs, w_gate), dot(xs, w_up), x.dtype)
   y_routed = dot(h, w_down).astype(x.dtype)
   inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-  y_routed = y_routed[inverse].reshape(T, k, -1)
+  y_routed = y_routed[inverse].reshape(T, k, w_down.shape[-1])
   w = jnp.where(valid, weights, 0.0)
   y_routed = jnp.where(valid[:, :, None], y_routed, 0).astype(f32)
   y = jnp.einsum("tkh,tk->th", y_routed, w, precision=HIGHEST)

@@ -1,0 +1,135 @@
+"""Test inputs, tolerances and the jitted forward + backward of `mok_jax.moe` used by the tests."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+import mok_jax
+
+BF16 = jnp.dtype(jnp.bfloat16)
+F32 = jnp.dtype(jnp.float32)
+
+# Backends that run on a CPU-only machine: the pure-JAX one and the C++ CPU FFI targets.
+CPU_BACKENDS = ("xla", "ffi")
+
+# Tolerances, relative to the largest magnitude of the expected array (see assert_close).
+# f32 against the float64 oracle: f32 accumulation over a few dozen terms.
+F32_RTOL = 1e-5
+# bf16 against the oracle rounded at the same points: a one-ulp flip of h, of a routed output or
+# of y (2**-8 relative) where f32 and float64 land on opposite sides of a bf16 rounding boundary.
+BF16_RTOL = 1e-2
+# bf16 gradients: the backward also rounds w * dy, dg and du to bf16, and every gradient once
+# at the end; the oracle's backward is not rounded (worst seen over seeds: 1.0e-2, in dw_down).
+BF16_GRAD_RTOL = 3e-2
+RTOL = {F32: F32_RTOL, BF16: BF16_RTOL}
+GRAD_RTOL = {F32: F32_RTOL, BF16: BF16_GRAD_RTOL}
+
+GRAD_NAMES = ("x", "weights", "w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down")
+
+
+class Case(NamedTuple):
+  x: jax.Array  # (T, H)
+  experts: np.ndarray  # (T, k) integer ids (NumPy: any integer dtype)
+  weights: jax.Array  # (T, k) f32
+  w_gate: jax.Array  # (E, H, I)
+  w_up: jax.Array  # (E, H, I)
+  w_down: jax.Array  # (E, I, H)
+  shared: tuple | None  # (ws_gate, ws_up, ws_down) or None
+  dy: jax.Array  # (T, H) f32 cotangent of y
+
+  def args(self):
+    return (self.x, self.experts, self.weights, self.w_gate, self.w_up, self.w_down)
+
+
+def distinct_experts(rng, T, k, E):
+  """(T, k) ids, k distinct experts per token, uniformly at random."""
+  return np.argsort(rng.random((T, E)), axis=1)[:, :k].astype(np.int32)
+
+
+def make_case(T=24, H=16, I=8, E=4, k=2, Is=None, dtype=F32, seed=0, experts=None) -> Case:
+  """Random inputs whose activations are O(1): x ~ N(0, 1), weights scaled by 1/sqrt(fan_in)."""
+  rng = np.random.default_rng(seed)
+
+  def normal(*shape, fan_in=1):
+    return jnp.asarray(rng.standard_normal(shape) / np.sqrt(fan_in), dtype)
+
+  x = normal(T, H)
+  if experts is None:
+    experts = distinct_experts(rng, T, k, E)
+  experts = np.asarray(experts)
+  k = experts.shape[1]
+  weights = jnp.asarray(rng.uniform(0.1, 1.0, (T, k)), jnp.float32)
+  w_gate, w_up = normal(E, H, I, fan_in=H), normal(E, H, I, fan_in=H)
+  w_down = normal(E, I, H, fan_in=I)
+  shared = None
+  if Is:
+    shared = (normal(H, Is, fan_in=H), normal(H, Is, fan_in=H), normal(Is, H, fan_in=Is))
+  dy = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+  return Case(x, experts, weights, w_gate, w_up, w_down, shared, dy)
+
+
+def loss_and_grads(case: Case, backend, config=None, jit=True):
+  """y and the gradients of sum(dy * y) w.r.t. x, weights, w_gate, w_up, w_down, shared.
+
+  Returns (y, grads) as NumPy arrays; grads is a dict keyed by GRAD_NAMES (shared ones only
+  with a shared expert). `experts` is closed over as a constant, so NumPy ids of any integer
+  dtype reach `mok_jax.moe` unconverted.
+  """
+  experts = case.experts
+
+  def loss(x, weights, w_gate, w_up, w_down, shared):
+    y = mok_jax.moe(x, experts, weights, w_gate, w_up, w_down, shared=shared, config=config,
+                    backend=backend)
+    return jnp.sum(y.astype(jnp.float32) * case.dy), y
+
+  f = jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True)
+  if jit:
+    f = jax.jit(f)
+  (_, y), g = f(case.x, case.weights, case.w_gate, case.w_up, case.w_down, case.shared)
+  grads = dict(zip(GRAD_NAMES[:5], g[:5]))
+  if case.shared is not None:
+    grads.update(zip(GRAD_NAMES[5:], g[5]))
+  return np.asarray(y), {name: np.asarray(v) for name, v in grads.items()}
+
+
+def oracle_grads_dict(grads) -> dict:
+  out = dict(zip(GRAD_NAMES[:5], grads[:5]))
+  if grads.shared is not None:
+    out.update(zip(GRAD_NAMES[5:], grads.shared))
+  return out
+
+
+def f64(a):
+  a = np.asarray(a)
+  if a.dtype == ml_dtypes.bfloat16:
+    a = a.astype(np.float32)
+  return a.astype(np.float64)
+
+
+def assert_close(actual, expected, rtol, name=""):
+  """|actual - expected| <= rtol * max|expected| elementwise (plus rtol * |expected|).
+
+  An error relative to the array's scale, not to each element: the elements of a sum with
+  cancellation are legitimately less accurate than the scale of the array.
+  """
+  actual, expected = f64(actual), f64(expected)
+  assert actual.shape == expected.shape, f"{name}: shape {actual.shape} != {expected.shape}"
+  scale = max(float(np.max(np.abs(expected), initial=0.0)), 1e-30)
+  np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * scale, err_msg=name)
+
+
+def assert_grads_close(actual: dict, expected: dict, rtol, what=""):
+  assert actual.keys() == expected.keys(), (actual.keys(), expected.keys())
+  for name in actual:
+    assert_close(actual[name], expected[name], rtol, f"{what} d{name}")
+
+
+def bits(a):
+  """The bytes of an array, for bitwise comparisons (NaN-safe, -0.0 != 0.0)."""
+  a = np.asarray(a)
+  return a.dtype, a.shape, a.tobytes()
