@@ -36,8 +36,46 @@ struct MoeFwdArgs {
   int32_t* layout;        // scratch (LayoutScratchInts(T * k, E)): per-chunk expert counts
 };
 
+// One backward call: every gradient from dy and the forward's residuals.
+struct MoeBwdArgs {
+  int64_t T, H, I, E, k, Is, R;
+  const void* dy;         // (T, H) bf16, or f32 when dy_f32 (then Is must be 0)
+  bool dy_f32;
+  const void* x;          // the forward's inputs, as in MoeFwdArgs
+  const float* weights;
+  const void* w_gate;
+  const void* w_up;
+  const void* w_down;
+  const void* ws_gate;
+  const void* ws_up;
+  const void* ws_down;
+  const int32_t* pos;     // the forward's residuals
+  const int32_t* offsets;
+  const int32_t* rows;
+  const void* gu;
+  const void* y_routed;
+  const void* gu_shared;
+  void* dx;               // (T, H) bf16
+  float* dweights;        // (T, k)
+  void* dw_gate;          // (E, H, I) bf16
+  void* dw_up;            // (E, H, I)
+  void* dw_down;          // (E, I, H)
+  void* dws_gate;         // (H, Is)
+  void* dws_up;           // (H, Is)
+  void* dws_down;         // (Is, H)
+  void* dy_routed;        // scratch (R, H) bf16
+  void* dgu;              // scratch (R, 2I) bf16
+  float* dx_routed;       // scratch (R, H)
+  void* xs;               // scratch (R, H) bf16
+  void* h;                // scratch (R, I) bf16
+  void* dgu_shared;       // scratch (T, 2Is) bf16
+  void* h_shared;         // scratch (T, Is) bf16
+  float* dx_shared;       // scratch (T, H), empty when Is = 0
+};
+
 // Enqueues the whole forward on `stream`; nothing waits on the host. Returns nullptr, or a
 // message saying what failed (an unsupported shape, a CUDA error).
 const char* LaunchMoeFwd(const MoeFwdArgs& args, cudaStream_t stream);
+const char* LaunchMoeBwd(const MoeBwdArgs& args, cudaStream_t stream);
 
 }  // namespace mok::cuda

@@ -22,6 +22,7 @@ NB_MODULE(_mok_cuda, m) {
   m.def("registrations", []() {
     nb::dict targets;
     targets["mok_moe_fwd"] = Capsule(MokMoeFwdCuda);
+    targets["mok_moe_bwd"] = Capsule(MokMoeBwdCuda);
     return targets;
   });
 }

@@ -149,7 +149,12 @@ ffi::Error CheckBwdArgs(const MoeDims& d, ffi::DataType dtype, ffi::AnyBuffer dy
                    CheckBuffer(target, "dy_routed", out.dy_routed, dtype, {d.R, d.H}),
                    CheckBuffer(target, "dgu", out.dgu, dtype, {d.R, 2 * d.I}),
                    CheckBuffer(target, "dx_routed", out.dx_routed, f32, {d.R, d.H}),
-                   CheckBuffer(target, "dgu_shared", out.dgu_shared, dtype, {d.T, 2 * d.Is})}) {
+                   CheckBuffer(target, "dgu_shared", out.dgu_shared, dtype, {d.T, 2 * d.Is}),
+                   CheckBuffer(target, "xs", out.xs, dtype, {d.R, d.H}),
+                   CheckBuffer(target, "h", out.h, dtype, {d.R, d.I}),
+                   CheckBuffer(target, "h_shared", out.h_shared, dtype, {d.T, d.Is}),
+                   CheckBuffer(target, "dx_shared", out.dx_shared, f32,
+                               {d.Is > 0 ? d.T : 0, d.H})}) {
     if (err.failure()) return err;
   }
   return ffi::Error::Success();

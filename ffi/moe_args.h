@@ -64,6 +64,10 @@ struct MoeBwdResults {
   ffi::AnyBuffer dgu;         // scratch (R, 2I) like x: [dg | du]
   ffi::AnyBuffer dx_routed;   // scratch (R, H) f32
   ffi::AnyBuffer dgu_shared;  // scratch (T, 2Is) like x
+  ffi::AnyBuffer xs;          // scratch (R, H) like x: token row of each routed row
+  ffi::AnyBuffer h;           // scratch (R, I) like x: silu(g) * u from gu
+  ffi::AnyBuffer h_shared;    // scratch (T, Is) like x
+  ffi::AnyBuffer dx_shared;   // scratch (T, H) f32, (0, H) when Is = 0
 };
 
 // mok_jax.ops.routed_rows: every route plus the block_m alignment padding of each expert.

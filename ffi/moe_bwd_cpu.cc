@@ -56,7 +56,11 @@ void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
   float* dx_r = out.dx_routed.reinterpret_data<float>();
   float* dweights = out.dweights.reinterpret_data<float>();
 
+  S* xs = out.xs.reinterpret_data<S>();
+  S* h_rec = out.h.reinterpret_data<S>();
   // Padding rows hold zeros, so that any reduction over a padded tile sees nothing.
+  std::fill(xs, xs + d.R * H, Store<S>(0.0f));
+  std::fill(h_rec, h_rec + d.R * I, Store<S>(0.0f));
   std::fill(dy_r, dy_r + d.R * H, Store<S>(0.0f));
   std::fill(dgu, dgu + d.R * 2 * I, Store<S>(0.0f));
   std::fill(dx_r, dx_r + d.R * H, 0.0f);
@@ -93,10 +97,12 @@ void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
         for (int64_t h = 0; h < H; ++h) dh += Load(dyr_row[h]) * Load(wd_e[i * H + h]);
         dgu_row[i] = Store<S>(dh * u * SiluGrad(g));
         dgu_row[I + i] = Store<S>(dh * Silu(g));
-        h_row[i] = Round<S>(Silu(g) * u);
+        h_rec[r * I + i] = Store<S>(Silu(g) * u);
+        h_row[i] = Load(h_rec[r * I + i]);
       }
       float* dxr_row = dx_r + r * H;
       const S* x_row = x + rows[r] / k * H;
+      std::copy(x_row, x_row + H, xs + r * H);
       for (int64_t h = 0; h < H; ++h) {
         float xv = Load(x_row[h]), dx = 0.0f;
         for (int64_t i = 0; i < I; ++i) {
@@ -123,6 +129,8 @@ void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
           *wsd = in.ws_down.reinterpret_data<S>();
   const S* gu_s = res.gu_shared.reinterpret_data<S>();
   S* dgu_s = out.dgu_shared.reinterpret_data<S>();
+  S* h_s = out.h_shared.reinterpret_data<S>();
+  float* dx_s = out.dx_shared.reinterpret_data<float>();
   S* dx = out.dx.reinterpret_data<S>();
   std::vector<float> acc(H), sd(Is * H, 0.0f), sg(H * Is, 0.0f), su(H * Is, 0.0f);
   for (int64_t t = 0; t < T; ++t) {
@@ -136,7 +144,8 @@ void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
     S* dgu_row = dgu_s + t * 2 * Is;
     for (int64_t i = 0; i < Is; ++i) {
       float g = Load(gu_row[i]), u = Load(gu_row[Is + i]);
-      float dh = 0.0f, a = Round<S>(Silu(g) * u);
+      h_s[t * Is + i] = Store<S>(Silu(g) * u);
+      float dh = 0.0f, a = Load(h_s[t * Is + i]);
       for (int64_t h = 0; h < H; ++h) {
         float dyv = Load(dy[t * H + h]);
         dh += dyv * Load(wsd[i * H + h]);
@@ -153,6 +162,7 @@ void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
         sg[h * Is + i] += xv * dg;
         su[h * Is + i] += xv * du;
       }
+      dx_s[t * H + h] = dxs;
       acc[h] += dxs;
     }
     for (int64_t h = 0; h < H; ++h) dx[t * H + h] = Store<S>(acc[h]);
@@ -177,11 +187,14 @@ ffi::Error MoeBwd(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer experts,
                   ffi::Result<ffi::AnyBuffer> dws_gate, ffi::Result<ffi::AnyBuffer> dws_up,
                   ffi::Result<ffi::AnyBuffer> dws_down, ffi::Result<ffi::AnyBuffer> dy_routed,
                   ffi::Result<ffi::AnyBuffer> dgu, ffi::Result<ffi::AnyBuffer> dx_routed,
-                  ffi::Result<ffi::AnyBuffer> dgu_shared, int64_t block_m) {
+                  ffi::Result<ffi::AnyBuffer> dgu_shared, ffi::Result<ffi::AnyBuffer> xs,
+                  ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> h_shared,
+                  ffi::Result<ffi::AnyBuffer> dx_shared, int64_t block_m) {
   MoeInputs in{x, experts, weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down};
   MoeResiduals res{pos, offsets, rows, gu, y_routed, gu_shared};
   MoeBwdResults out{*dx,       *dweights,  *dw_gate, *dw_up, *dw_down,   *dws_gate,
-                    *dws_up,   *dws_down,  *dy_routed, *dgu, *dx_routed, *dgu_shared};
+                    *dws_up,   *dws_down,  *dy_routed, *dgu, *dx_routed, *dgu_shared,
+                    *xs,       *h,         *h_shared,  *dx_shared};
   auto dims = CheckInputs("mok_moe_bwd", in, block_m);
   if (dims.has_error()) return dims.error();
   auto dtype = x.element_type();
@@ -232,4 +245,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MokMoeBwdCpu, mok::cpu::MoeBwd,
                                   .Ret<xla::ffi::AnyBuffer>()  // scratch dgu (R, 2I)
                                   .Ret<xla::ffi::AnyBuffer>()  // scratch dx_routed (R, H) f32
                                   .Ret<xla::ffi::AnyBuffer>()  // scratch dgu_shared (T, 2Is)
+                                  .Ret<xla::ffi::AnyBuffer>()  // scratch xs (R, H)
+                                  .Ret<xla::ffi::AnyBuffer>()  // scratch h (R, I)
+                                  .Ret<xla::ffi::AnyBuffer>()  // scratch h_shared (T, Is)
+                                  .Ret<xla::ffi::AnyBuffer>()  // scratch dx_shared (T, H) f32
                                   .Attr<int64_t>("block_m"));

@@ -4,3 +4,4 @@
 #include "xla/ffi/api/ffi.h"
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MokMoeFwdCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MokMoeBwdCuda);

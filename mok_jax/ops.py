@@ -247,6 +247,10 @@ def moe_bwd(dy, x, experts, weights, w_gate, w_up, w_down, shared, residuals: Re
       sds((R, 2 * I), x.dtype),  # scratch: [dg | du] of each routed row
       sds((R, H), jnp.float32),  # scratch: dx of each routed row, summed per token in j order
       sds((T, 2 * Is), x.dtype),  # scratch: [dg | du] of the shared expert
+      sds((R, H), x.dtype),  # scratch: the token row of each routed row
+      sds((R, I), x.dtype),  # scratch: h = silu(g) * u, recomputed from gu
+      sds((T, Is), x.dtype),  # scratch: h of the shared expert
+      sds((T if Is else 0, H), jnp.float32),  # scratch: dx of the shared expert
   )
   call = jax.ffi.ffi_call("mok_moe_bwd", results, vmap_method="sequential")
   dx, dweights, dw_gate, dw_up, dw_down, *dshared = call(

@@ -1,22 +1,16 @@
-// y[t] = round(sum_j w[t, j] * y_routed[pos[t, j]] (j ascending) + y_shared[t]), in f32.
-// Each token is owned by one warp, so the order of the sum is fixed: no atomics.
+// out[t] = round(sum_j w[t, j] * in[pos[t, j]] (j ascending) + extra[t]), in f32. Each token is
+// owned by one warp, so the order of the sum is fixed: no atomics. Forward: in = y_routed,
+// extra = the shared expert's output. Backward: in = dx_routed (f32), w = 1, extra = the shared
+// expert's dx.
 #pragma once
 
 #include <cstdint>
 
 #include <cuda_bf16.h>
 
-namespace mok::sm90 {
+#include "gather.cuh"
 
-__device__ __forceinline__ void AddBf16x8(float acc[8], uint4 v, float w) {
-  const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    float2 f = __bfloat1622float2(p[i]);
-    acc[2 * i] = fmaf(w, f.x, acc[2 * i]);
-    acc[2 * i + 1] = fmaf(w, f.y, acc[2 * i + 1]);
-  }
-}
+namespace mok::sm90 {
 
 __device__ __forceinline__ void Store8(const float acc[8], __nv_bfloat16* dst) {
   uint4 v;
@@ -31,23 +25,30 @@ __device__ __forceinline__ void Store8(const float acc[8], float* dst) {
   reinterpret_cast<float4*>(dst)[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
 }
 
-// One warp per token, 8 columns (16 bytes of bf16) per lane and step. y_shared may be null.
-template <class Y>
+// One warp per token, 8 columns per lane and step. weights null: every route weighs 1;
+// extra may be null.
+template <class In, class Out>
 __global__ void __launch_bounds__(256)
-    CombineKernel(const uint4* y_routed, const uint4* y_shared, const int32_t* pos,
-                  const float* weights, int64_t T, int k, int H, Y* y) {
+    CombineKernel(const In* in, const In* extra, const int32_t* pos, const float* weights,
+                  int64_t T, int k, int H, Out* out) {
   const int64_t t = int64_t{blockIdx.x} * 8 + threadIdx.x / 32;
   if (t >= T) return;
-  const int chunks = H / 8;
-  for (int c = threadIdx.x % 32; c < chunks; c += 32) {
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int c = threadIdx.x % 32; c < H / 8; c += 32) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, v[8];
     for (int j = 0; j < k; ++j) {
       const int p = pos[t * k + j];
       if (p < 0) continue;
-      AddBf16x8(acc, __ldg(y_routed + int64_t{p} * chunks + c), weights[t * k + j]);
+      const float w = weights ? weights[t * k + j] : 1.0f;
+      Load8(in + int64_t{p} * H + c * 8, v);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] = fmaf(w, v[i], acc[i]);
     }
-    if (y_shared) AddBf16x8(acc, __ldg(y_shared + t * chunks + c), 1.0f);
-    Store8(acc, y + t * H + c * 8);
+    if (extra) {
+      Load8(extra + t * H + c * 8, v);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] += v[i];
+    }
+    Store8(acc, out + t * H + c * 8);
   }
 }
 

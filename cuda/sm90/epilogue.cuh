@@ -1,5 +1,6 @@
-// GEMM epilogues: accumulators -> bf16 in a padded shared-memory staging tile -> coalesced
-// 16-byte global stores. Each consumer warpgroup stages and stores its own 64 rows.
+// GEMM epilogues. bf16 outputs go through a padded shared-memory staging tile to coalesced
+// 16-byte global stores (each consumer warpgroup stages and stores its own 64 rows); the f32
+// output and the SwiGLU backward (which also reads gu) store straight from registers.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -20,6 +21,7 @@ constexpr int kStageElems = kWarpgroupRows * (kStagePitchY + kStagePitchH);
 static_assert(2 * kStageElems * 2 <= sizeof(GemmSmem::a) + sizeof(GemmSmem::b),
               "the staging tiles must fit in the pipeline stages they reuse");
 
+__device__ __forceinline__ float Sigmoid(float g) { return 1.0f / (1.0f + __expf(-g)); }
 __device__ __forceinline__ float Silu(float g) { return g / (1.0f + __expf(-g)); }
 
 __device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
@@ -27,8 +29,12 @@ __device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+__device__ __forceinline__ float2 UnpackBf16(uint32_t v) {
+  return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&v));
+}
+
 // Copies `chunks` 16-byte chunks per row of a (64, pitch) staging tile to global rows
-// dst(row) + col(c), skipping rows past the problem and chunks past the matrix edge.
+// dst(row) + col(c), skipping rows past the output and chunks past the matrix edge.
 template <class Dst>
 __device__ __forceinline__ void CopyOut(const bf16_t* stage, int pitch, int chunks,
                                         int64_t row0, int64_t m_end, int wg_thread, Dst dst) {
@@ -42,35 +48,39 @@ __device__ __forceinline__ void CopyOut(const bf16_t* stage, int pitch, int chun
   }
 }
 
-// thread: index among the 256 consumer threads; acc: its (128, 256) tile fragment.
-template <Epilogue kEpi, class Accum>
-__device__ __forceinline__ void StoreTile(const GemmParams& p, const GemmTile& tile,
-                                          GemmSmem& smem, int thread, const Accum& acc) {
+// bf16 tiles (kStore, kSwiGLU) through the padded staging tile.
+template <class Kind, class Accum, class Coord>
+__device__ __forceinline__ void StageAndStore(const GemmParams& p, const GemmTile& tile,
+                                              GemmSmem& smem, int thread, const Accum& acc,
+                                              const Coord& coord, int64_t group_base) {
   using namespace cute;
   using C = GemmConfig;
+  constexpr Epilogue kEpi = Kind::kEpi;
   const int wg = thread / 128, wg_thread = thread % 128;
   // Both warpgroups must be done with the pipeline stages before either overwrites them.
   NamedBarrierSync(1, 256);
   bf16_t* stage = &smem.a[0][0] + wg * kStageElems;  // (64, kStagePitchY) [+ (64, kStagePitchH)]
-  TiledMma mma;
-  Tensor coord = mma.get_thread_slice(thread).partition_C(
-      make_identity_tensor(Shape<Int<C::kBlockM>, Int<C::kBlockN>>{}));  // (MMA, 1, 1) -> (m, n)
-  static_assert(decltype(size(coord))::value == 128, "one 64 x 256 wgmma atom per thread");
   const int64_t row0 = tile.m0 + wg * kWarpgroupRows;
   if constexpr (kEpi == Epilogue::kStore) {
     CUTE_UNROLL
-    for (int v = 0; v < 128; v += 2) {  // values v, v + 1: columns n, n + 1 of one row
+    for (int v = 0; v < 128; v += 2) {
       const int m = get<0>(coord(v)) - wg * kWarpgroupRows, n = get<1>(coord(v));
       *reinterpret_cast<uint32_t*>(stage + m * kStagePitchY + n) = PackBf16(acc(v), acc(v + 1));
     }
     NamedBarrierSync(2 + wg, 128);
     const int64_t col0 = int64_t{tile.n_tile} * C::kBlockN;
+    auto* out0 = static_cast<__nv_bfloat16*>(p.out0) + group_base;
+    auto* out1 = static_cast<__nv_bfloat16*>(p.out1) + group_base;
+    // 8-column chunks never straddle n_split (a multiple of 64).
     CopyOut(stage, kStagePitchY, C::kBlockN / 8, row0, tile.m_end, wg_thread,
             [&](int64_t row, int c) -> __nv_bfloat16* {
               const int64_t col = col0 + c * 8;
-              return col < p.n ? p.out0 + row * p.n + col : nullptr;
+              if (col >= p.n) return nullptr;
+              return col < p.n_split ? out0 + row * p.n_split + col
+                                     : out1 + row * p.n_split + (col - p.n_split);
             });
   } else {
+    static_assert(kEpi == Epilogue::kSwiGLU);
     // Accumulator columns [0, 128) are gate, [128, 256) up: value v + 64 is the up partner of
     // gate value v (the atom's values step 8 columns every 4).
     bf16_t* stage_h = stage + kWarpgroupRows * kStagePitchY;
@@ -85,17 +95,70 @@ __device__ __forceinline__ void StoreTile(const GemmParams& p, const GemmTile& t
     }
     NamedBarrierSync(2 + wg, 128);
     const int64_t col0 = int64_t{tile.n_tile} * (C::kBlockN / 2);
+    auto* gu = static_cast<__nv_bfloat16*>(p.out0);
+    auto* h = static_cast<__nv_bfloat16*>(p.out1);
     // gu row: 16 chunks of gate columns, then 16 of up columns (at +n in the (rows, 2n) gu).
     CopyOut(stage, kStagePitchY, C::kBlockN / 8, row0, tile.m_end, wg_thread,
             [&](int64_t row, int c) -> __nv_bfloat16* {
               const int64_t col = col0 + (c % 16) * 8;
-              return col < p.n ? p.out0 + row * 2 * p.n + (c < 16 ? 0 : p.n) + col : nullptr;
+              return col < p.n ? gu + row * 2 * p.n + (c < 16 ? 0 : p.n) + col : nullptr;
             });
     CopyOut(stage_h, kStagePitchH, C::kBlockN / 16, row0, tile.m_end, wg_thread,
             [&](int64_t row, int c) -> __nv_bfloat16* {
               const int64_t col = col0 + c * 8;
-              return col < p.n ? p.out1 + row * p.n + col : nullptr;
+              return col < p.n ? h + row * p.n + col : nullptr;
             });
+  }
+}
+
+// thread: index among the 256 consumer threads; acc: its (128, 256) tile fragment.
+template <class Kind, class Accum>
+__device__ __forceinline__ void StoreTile(const GemmParams& p, const GemmTile& tile,
+                                          GemmSmem& smem, int thread, const Accum& acc) {
+  using namespace cute;
+  using C = GemmConfig;
+  constexpr Epilogue kEpi = Kind::kEpi;
+  typename GemmLayouts<Kind>::TiledMma mma;
+  Tensor coord = mma.get_thread_slice(thread).partition_C(
+      make_identity_tensor(Shape<Int<C::kBlockM>, Int<C::kBlockN>>{}));  // (MMA, 1, 1) -> (m, n)
+  static_assert(decltype(size(coord))::value == 128, "one 64 x 256 wgmma atom per thread");
+  const int64_t group_base =
+      Kind::kSched == Schedule::kGroupedK ? tile.group * p.group_stride : 0;
+
+  if constexpr (kEpi == Epilogue::kStoreF32) {
+    float* out = static_cast<float*>(p.out0) + group_base;
+    CUTE_UNROLL
+    for (int v = 0; v < 128; v += 2) {  // values v, v + 1: columns n, n + 1 of one row
+      const int64_t row = tile.m0 + get<0>(coord(v));
+      const int col = tile.n_tile * C::kBlockN + get<1>(coord(v));
+      if (row < tile.m_end && col < p.n)
+        *reinterpret_cast<float2*>(out + row * p.n_split + col) = make_float2(acc(v), acc(v + 1));
+    }
+  } else if constexpr (kEpi == Epilogue::kSwiGLUBwd) {
+    const int two_n = 2 * p.n;
+    auto* dgu = static_cast<__nv_bfloat16*>(p.out0);
+    auto* h = static_cast<__nv_bfloat16*>(p.out1);
+    CUTE_UNROLL
+    for (int v = 0; v < 128; v += 2) {
+      const int64_t row = tile.m0 + get<0>(coord(v));
+      const int col = tile.n_tile * C::kBlockN + get<1>(coord(v));
+      if (row >= tile.m_end || col >= p.n) continue;
+      const float2 g = UnpackBf16(*reinterpret_cast<const uint32_t*>(p.aux + row * two_n + col));
+      const float2 u =
+          UnpackBf16(*reinterpret_cast<const uint32_t*>(p.aux + row * two_n + p.n + col));
+      const float dh0 = acc(v), dh1 = acc(v + 1);
+      const float s0 = Sigmoid(g.x), s1 = Sigmoid(g.y);
+      const float silu0 = g.x * s0, silu1 = g.y * s1;
+      // d silu / dg = sigmoid(g) * (1 + g * (1 - sigmoid(g)))
+      *reinterpret_cast<uint32_t*>(dgu + row * two_n + col) =
+          PackBf16(dh0 * u.x * s0 * (1.0f + g.x * (1.0f - s0)),
+                   dh1 * u.y * s1 * (1.0f + g.y * (1.0f - s1)));
+      *reinterpret_cast<uint32_t*>(dgu + row * two_n + p.n + col) =
+          PackBf16(dh0 * silu0, dh1 * silu1);
+      *reinterpret_cast<uint32_t*>(h + row * p.n + col) = PackBf16(silu0 * u.x, silu1 * u.y);
+    }
+  } else {
+    StageAndStore<Kind>(p, tile, smem, thread, acc, coord, group_base);
   }
 }
 

@@ -1,10 +1,12 @@
-// Tile shapes, pipeline depth and register split of the grouped expert GEMM (sm90).
+// Tile shapes, pipeline depth, register split and kinds of the grouped expert GEMM (sm90).
 #pragma once
 
 #include <cstdint>
 
 #include <cuda.h>
 #include <cuda_bf16.h>
+
+#include <cute/tensor.hpp>
 
 namespace mok::sm90 {
 
@@ -23,35 +25,69 @@ struct GemmConfig {
   static constexpr uint32_t kConsumerRegs = 232;
   // TMA boxes: 64 bf16 = 128 bytes inner, the 128-byte swizzle span.
   static constexpr int kBoxInner = 64;
-  static constexpr int kBoxesB = kBlockN / kBoxInner;
   static constexpr uint32_t kStageBytesA = kBlockM * kBlockK * 2;
   static constexpr uint32_t kStageBytesB = kBlockN * kBlockK * 2;
   static constexpr uint32_t kStageBytes = kStageBytesA + kStageBytesB;
 };
 
-// What a GEMM epilogue does with the 128 x 256 f32 accumulator tile.
+// What the epilogue does with the 128 x 256 f32 accumulator tile.
 enum class Epilogue {
-  // out0 = y (rows, n): the tile's 256 columns of one B.
+  // Columns [0, n_split) to out0, [n_split, n) to out1 (at column - n_split), rounded to bf16;
+  // n_split is the row pitch of both.
   kStore,
-  // B = [w_gate tile (128 columns) | w_up tile (128 columns)]; out0 = gu (rows, 2n) gets
-  // [g | u] rounded, out1 = h (rows, n) gets round(silu(g) * u) from the f32 values.
+  kStoreF32,  // the same in f32 (out0 only)
+  // Forward GEMM1: B = [w_gate tile (128 columns) | w_up tile (128 columns)]; out0 = gu
+  // (rows, 2n) gets [g | u] rounded, out1 = h (rows, n) gets round(silu(g) * u) from f32 g, u.
   kSwiGLU,
+  // Backward of SwiGLU: the tile is dh; aux = gu (rows, 2n). out0 = dgu (rows, 2n) gets
+  // [dh * u * silu'(g) | dh * silu(g)], out1 = h (rows, n) gets round(silu(g) * u).
+  kSwiGLUBwd,
 };
 
-// Host-built arguments of one grouped GEMM launch: C[rows of group g] = A[rows] @ B_g, where
-// B_g is rows [g * k, (g + 1) * k) of the (groups * k, n) matrix behind the B tensor maps.
+// How CTAs map to tiles and what the reduction runs over.
+enum class Schedule {
+  // M = the routed rows of each group (offsets), K fixed: C[rows of g] = A[rows] @ B_g.
+  // Expert GEMMs of the forward and the data gradients.
+  kRowsByGroup,
+  // K = the routed rows of each group, M and N fixed: C_g = A[rows of g]^T @ B[rows of g].
+  // Weight gradients: one CTA owns an output tile over the whole ragged reduction.
+  kGroupedK,
+};
+
+// The compile-time shape of one GEMM: operand majors (K: the reduction is contiguous in
+// memory; MN: the other dimension is), epilogue, schedule.
+template <cute::GMMA::Major kMajorA_, cute::GMMA::Major kMajorB_, Epilogue kEpi_,
+          Schedule kSched_>
+struct GemmKind {
+  static constexpr cute::GMMA::Major kMajorA = kMajorA_;
+  static constexpr cute::GMMA::Major kMajorB = kMajorB_;
+  static constexpr Epilogue kEpi = kEpi_;
+  static constexpr Schedule kSched = kSched_;
+  static constexpr bool kKMajorA = kMajorA_ == cute::GMMA::Major::K;
+  static constexpr bool kKMajorB = kMajorB_ == cute::GMMA::Major::K;
+};
+
+// Host-built arguments of one grouped GEMM launch.
 struct GemmParams {
-  CUtensorMap a;            // A (m_total, k) bf16, box (64, 128)
-  CUtensorMap b0;           // B (groups * k, n) bf16, box (64, 64): w_down, or w_gate
-  CUtensorMap b1;           // w_up (kSwiGLU only)
-  const int32_t* offsets;   // (groups + 1) first row of each group, multiples of kBlockM;
-                            // null: a single group of m_total rows
+  // K-major operands are read in (64, rows) boxes, MN-major ones in (64, 64) boxes.
+  CUtensorMap a;
+  CUtensorMap b0;
+  CUtensorMap b1;           // kSwiGLU: w_up; K-major B: the matrix for k >= k_split
+  const int32_t* offsets;   // (groups + 1) first routed row of each group, multiples of
+                            // kBlockM; null: one group of m_total rows
   int groups;
-  int64_t m_total;          // rows of A and of the outputs
-  int n, k;                 // columns of one B; the reduction
-  int n_tiles;              // column tiles per row block
-  __nv_bfloat16* out0;      // kStore: y (m_total, n); kSwiGLU: gu (m_total, 2n)
-  __nv_bfloat16* out1;      // kSwiGLU: h (m_total, n)
+  int64_t m_total;          // kRowsByGroup: rows of A and the outputs; kGroupedK: rows (K)
+                            // of the single group when offsets is null
+  int m;                    // kGroupedK: the M extent of each group's output
+  int n;                    // output columns (kSwiGLU / kSwiGLUBwd: columns of h)
+  int k;                    // kRowsByGroup: the reduction
+  int k_split;              // K-major B: b0 serves k < k_split, b1 the rest (at k - k_split)
+  int n_split;              // kStore*: column split and row pitch of the outputs
+  int n_tiles, m_tiles;
+  int64_t group_stride;     // kGroupedK: elements between consecutive groups' outputs
+  void* out0;
+  void* out1;
+  const __nv_bfloat16* aux; // kSwiGLUBwd: gu
 };
 
 }  // namespace mok::sm90

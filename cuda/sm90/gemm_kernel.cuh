@@ -12,12 +12,12 @@ namespace mok::sm90 {
 
 constexpr size_t kGemmSmemBytes = sizeof(GemmSmem) + 1024;  // + alignment slack
 
-template <Epilogue kEpi>
+template <class Kind>
 __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     GroupedGemmKernel(const __grid_constant__ GemmParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using C = GemmConfig;
-  const GemmTile tile = ScheduleTile(p);
+  const GemmTile tile = ScheduleTile<Kind::kSched>(p);
   if (!tile.valid) return;  // a row block past the rows in use: uniform over the CTA
 
   extern __shared__ uint8_t smem_raw[];
@@ -28,7 +28,8 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
   if (threadIdx.x == 0) {
     PrefetchTmaDescriptor(&p.a);
     PrefetchTmaDescriptor(&p.b0);
-    if (kEpi == Epilogue::kSwiGLU) PrefetchTmaDescriptor(&p.b1);
+    if (Kind::kEpi == Epilogue::kSwiGLU || (Kind::kKMajorB && p.k_split < p.k))
+      PrefetchTmaDescriptor(&p.b1);
     for (int s = 0; s < C::kStages; ++s) {
       BarrierInit(&smem.full[s], 1);
       BarrierInit(&smem.empty[s], C::kConsumerWarpgroups);
@@ -39,14 +40,15 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
 
   if (warpgroup == 0) {
     SetMaxRegistersDec<C::kProducerRegs>();
-    if (threadIdx.x == 0) LoadTile<kEpi>(p, tile, smem);
+    if (threadIdx.x == 0) LoadTile<Kind>(p, tile, smem);
   } else {
     SetMaxRegistersInc<C::kConsumerRegs>();
     const int thread = threadIdx.x - 128;
-    auto acc = cute::partition_fragment_C(TiledMma{}, cute::Shape<cute::Int<C::kBlockM>,
-                                                                  cute::Int<C::kBlockN>>{});
-    MmaTile(p, smem, thread, acc);
-    StoreTile<kEpi>(p, tile, smem, thread, acc);
+    auto acc = cute::partition_fragment_C(
+        typename GemmLayouts<Kind>::TiledMma{},
+        cute::Shape<cute::Int<C::kBlockM>, cute::Int<C::kBlockN>>{});
+    MmaTile<Kind>(tile, smem, thread, acc);
+    StoreTile<Kind>(p, tile, smem, thread, acc);
   }
 #endif
 }

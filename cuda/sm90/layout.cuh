@@ -87,19 +87,4 @@ __global__ void __launch_bounds__(kLayoutChunk)
   rows[p] = static_cast<int32_t>(q);
 }
 
-// xs[r] = x[rows[r] / k] for the routed rows in use, zeros for padding rows: the GEMMs read
-// whole 128-row tiles, and zero padding keeps every product over a tile finite.
-// One warp per row; 16-byte accesses.
-__global__ void __launch_bounds__(256)
-    GatherKernel(const uint4* x, const int32_t* rows, const int32_t* rows_in_use, int k,
-                 int chunks_per_row, uint4* xs) {
-  const int64_t r = int64_t{blockIdx.x} * 8 + threadIdx.x / 32;
-  if (r >= *rows_in_use) return;
-  const int q = rows[r];
-  const uint4* src = q >= 0 ? x + int64_t{q / k} * chunks_per_row : nullptr;
-  uint4* dst = xs + r * chunks_per_row;
-  for (int c = threadIdx.x % 32; c < chunks_per_row; c += 32)
-    dst[c] = src ? __ldg(src + c) : make_uint4(0, 0, 0, 0);
-}
-
 }  // namespace mok::sm90

@@ -2,6 +2,8 @@
 // stages with TMA, and two consumer warpgroups that multiply them with wgmma.
 #pragma once
 
+#include <type_traits>
+
 #include <cute/tensor.hpp>
 
 #include "gemm_config.cuh"
@@ -12,23 +14,33 @@ namespace mok::sm90 {
 
 using bf16_t = cute::bfloat16_t;
 
-// A: K-major 128-byte-swizzled rows (what a (64, 128) TMA box writes): (BM, BK, PIPE).
-using SmemLayoutA = decltype(cute::tile_to_shape(
+template <int kRows>
+using StagedK = decltype(cute::tile_to_shape(
     cute::GMMA::Layout_K_SW128_Atom<bf16_t>{},
-    cute::Shape<cute::Int<GemmConfig::kBlockM>, cute::Int<GemmConfig::kBlockK>,
+    cute::Shape<cute::Int<kRows>, cute::Int<GemmConfig::kBlockK>,
                 cute::Int<GemmConfig::kStages>>{}));
-// B: N-major (the weights are (K, N) row-major). Atoms are ordered K first so that each group
-// of 64 columns is one contiguous (64 N, 64 K) TMA box of 8 KB: (BN, BK, PIPE).
-using SmemLayoutB = decltype(cute::tile_to_shape(
+// MN-major operands: atoms ordered K first, so that each group of 64 MN-columns is one
+// contiguous (64 MN, 64 K) TMA box of 8 KB.
+template <int kRows>
+using StagedMN = decltype(cute::tile_to_shape(
     cute::GMMA::Layout_MN_SW128_Atom<bf16_t>{},
-    cute::Shape<cute::Int<GemmConfig::kBlockN>, cute::Int<GemmConfig::kBlockK>,
+    cute::Shape<cute::Int<kRows>, cute::Int<GemmConfig::kBlockK>,
                 cute::Int<GemmConfig::kStages>>{},
     cute::Step<cute::_2, cute::_1, cute::_3>{}));
 
-// Two 64 x 256 wgmma atoms stacked along M, one per consumer warpgroup.
-using TiledMma = decltype(cute::make_tiled_mma(
-    cute::SM90_64x256x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::MN>{},
-    cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
+// Shared-memory layouts (BM|BN, BK, PIPE) and the MMA of a GemmKind. K-major stages hold
+// 128-byte swizzled rows, as a (64, rows) TMA box writes them.
+template <class Kind>
+struct GemmLayouts {
+  using SmemA = std::conditional_t<Kind::kKMajorA, StagedK<GemmConfig::kBlockM>,
+                                   StagedMN<GemmConfig::kBlockM>>;
+  using SmemB = std::conditional_t<Kind::kKMajorB, StagedK<GemmConfig::kBlockN>,
+                                   StagedMN<GemmConfig::kBlockN>>;
+  // Two 64 x 256 wgmma atoms stacked along M, one per consumer warpgroup.
+  using TiledMma = decltype(cute::make_tiled_mma(
+      cute::SM90_64x256x16_F32BF16BF16_SS<Kind::kMajorA, Kind::kMajorB>{},
+      cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
+};
 
 struct alignas(1024) GemmSmem {
   bf16_t a[GemmConfig::kStages][GemmConfig::kBlockM * GemmConfig::kBlockK];
@@ -38,48 +50,72 @@ struct alignas(1024) GemmSmem {
 };
 
 // Producer: one thread issues every TMA of the tile.
-template <Epilogue kEpi>
+template <class Kind>
 __device__ __forceinline__ void LoadTile(const GemmParams& p, const GemmTile& tile,
                                          GemmSmem& smem) {
   using C = GemmConfig;
-  const int num_k = p.k / C::kBlockK;
-  const int b_row0 = tile.group * p.k;
-  for (int kt = 0; kt < num_k; ++kt) {
+  constexpr int kBox = C::kBoxInner * C::kBlockK;  // elements of one MN-major box
+  const int n0 = tile.n_tile * C::kBlockN;
+  // First row of B's k-tiles: the group's weights (kRowsByGroup) or its routed rows.
+  const int64_t b_row0 = Kind::kSched == Schedule::kRowsByGroup
+                             ? int64_t{tile.group} * p.k : tile.k_begin;
+  for (int kt = 0; kt < tile.num_k; ++kt) {
     const int s = kt % C::kStages;
     const uint32_t round = kt / C::kStages;
+    const int kk = kt * C::kBlockK;
     BarrierWait(&smem.empty[s], (round & 1) ^ 1);  // the first round finds every stage free
     BarrierArriveExpectTx(&smem.full[s], C::kStageBytes);
-    TmaLoad2d(smem.a[s], &p.a, &smem.full[s], kt * C::kBlockK, static_cast<int32_t>(tile.m0));
+    if constexpr (Kind::kKMajorA) {
+      TmaLoad2d(smem.a[s], &p.a, &smem.full[s], kk, static_cast<int32_t>(tile.m0));
+    } else {
 #pragma unroll
-    for (int j = 0; j < C::kBoxesB; ++j) {
-      // kSwiGLU: boxes 0-1 are 128 columns of w_gate, boxes 2-3 the same columns of w_up.
-      const bool up = kEpi == Epilogue::kSwiGLU && j >= C::kBoxesB / 2;
-      const int col = kEpi == Epilogue::kSwiGLU
-                          ? tile.n_tile * (C::kBlockN / 2) + (j % (C::kBoxesB / 2)) * C::kBoxInner
-                          : tile.n_tile * C::kBlockN + j * C::kBoxInner;
-      TmaLoad2d(smem.b[s] + j * C::kBoxInner * C::kBlockK, up ? &p.b1 : &p.b0, &smem.full[s],
-                col, b_row0 + kt * C::kBlockK);
+      for (int j = 0; j < C::kBlockM / C::kBoxInner; ++j)
+        TmaLoad2d(smem.a[s] + j * kBox, &p.a, &smem.full[s],
+                  static_cast<int32_t>(tile.m0) + j * C::kBoxInner,
+                  static_cast<int32_t>(tile.k_begin + kk));
+    }
+    if constexpr (Kind::kKMajorB) {
+      // B(n, k) = W[group * n + n, k]: one (64, 256) box from b0, or b1 past k_split.
+      const bool second = kk >= p.k_split;
+      TmaLoad2d(smem.b[s], second ? &p.b1 : &p.b0, &smem.full[s], second ? kk - p.k_split : kk,
+                tile.group * p.n + n0);
+    } else {
+#pragma unroll
+      for (int j = 0; j < C::kBlockN / C::kBoxInner; ++j) {
+        // kSwiGLU: boxes 0-1 are 128 columns of w_gate, boxes 2-3 the same columns of w_up.
+        constexpr int kHalf = C::kBlockN / C::kBoxInner / 2;
+        const bool up = Kind::kEpi == Epilogue::kSwiGLU && j >= kHalf;
+        const int col = Kind::kEpi == Epilogue::kSwiGLU
+                            ? tile.n_tile * (C::kBlockN / 2) + (j % kHalf) * C::kBoxInner
+                            : n0 + j * C::kBoxInner;
+        TmaLoad2d(smem.b[s] + j * kBox, up ? &p.b1 : &p.b0, &smem.full[s], col,
+                  static_cast<int32_t>(b_row0 + kk));
+      }
     }
   }
 }
 
 // Consumers: accumulate the (128, 256) tile; each warpgroup owns 64 rows of it.
 // `thread` is the index among the 256 consumer threads.
-template <class Accum>
-__device__ __forceinline__ void MmaTile(const GemmParams& p, GemmSmem& smem, int thread,
+template <class Kind, class Accum>
+__device__ __forceinline__ void MmaTile(const GemmTile& tile, GemmSmem& smem, int thread,
                                         Accum& acc) {
   using namespace cute;
   using C = GemmConfig;
-  Tensor sA = make_tensor(make_smem_ptr(&smem.a[0][0]), SmemLayoutA{});  // (BM, BK, PIPE)
-  Tensor sB = make_tensor(make_smem_ptr(&smem.b[0][0]), SmemLayoutB{});  // (BN, BK, PIPE)
-  TiledMma mma;
+  using L = GemmLayouts<Kind>;
+  Tensor sA = make_tensor(make_smem_ptr(&smem.a[0][0]), typename L::SmemA{});  // (BM, BK, PIPE)
+  Tensor sB = make_tensor(make_smem_ptr(&smem.b[0][0]), typename L::SmemB{});  // (BN, BK, PIPE)
+  typename L::TiledMma mma;
   auto thr = mma.get_thread_slice(thread);
   Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // (MMA, MMA_M, MMA_K, PIPE)
   Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));  // (MMA, MMA_N, MMA_K, PIPE)
-  const int num_k = p.k / C::kBlockK;
+  if (tile.num_k == 0) {  // an empty group: its weight gradient is zero
+    clear(acc);
+    return;
+  }
   const bool releaser = thread % 128 == 0;
   mma.accumulate_ = GMMA::ScaleOut::Zero;
-  for (int kt = 0; kt < num_k; ++kt) {
+  for (int kt = 0; kt < tile.num_k; ++kt) {
     const int s = kt % C::kStages;
     BarrierWait(&smem.full[s], (kt / C::kStages) & 1);
     warpgroup_fence_operand(acc);

@@ -1,65 +1,40 @@
 // Launch of the forward on one GPU: layout -> gather -> GEMM1 (gate|up, SwiGLU) -> GEMM2 ->
 // combine, all enqueued on XLA's stream with no host synchronisation.
-#include <algorithm>
 #include <mutex>
 
 #include "../launch.h"
 #include "combine.cuh"
-#include "gemm_kernel.cuh"
+#include "gather.cuh"
+#include "gemm_launch.cuh"
 #include "layout.cuh"
-#include "tensor_map.h"
 
 namespace mok::cuda {
 
+using sm90::CeilDiv;
 using sm90::GemmConfig;
 using sm90::GemmParams;
+using sm90::Matrix;
 
 namespace {
 
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-template <class Kernel>
-cudaError_t AllowSmem(Kernel kernel, size_t bytes) {
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              static_cast<int>(bytes));
-}
-
-// C = A @ B_group for the row blocks of each group. a: (m_total, k); b0/b1: (groups * k, n).
-template <sm90::Epilogue kEpi>
-const char* LaunchGemm(const void* a, const void* b0, const void* b1, const int32_t* offsets,
-                       int groups, int64_t m_total, int n, int k, void* out0, void* out1,
-                       cudaStream_t stream) {
-  using C = GemmConfig;
-  GemmParams p{};
-  const uint64_t b_rows = uint64_t(groups) * k;
-  if (!sm90::MakeTensorMap(&p.a, a, k, m_total, C::kBoxInner, C::kBlockM) ||
-      !sm90::MakeTensorMap(&p.b0, b0, n, b_rows, C::kBoxInner, C::kBlockK) ||
-      (kEpi == sm90::Epilogue::kSwiGLU &&
-       !sm90::MakeTensorMap(&p.b1, b1, n, b_rows, C::kBoxInner, C::kBlockK))) {
-    return "cuTensorMapEncodeTiled refused a GEMM operand";
-  }
-  p.offsets = offsets;
-  p.groups = groups;
-  p.m_total = m_total;
-  p.n = n;
-  p.k = k;
-  const int cols_per_tile = kEpi == sm90::Epilogue::kSwiGLU ? C::kBlockN / 2 : C::kBlockN;
-  p.n_tiles = static_cast<int>(CeilDiv(n, cols_per_tile));
-  p.out0 = static_cast<__nv_bfloat16*>(out0);
-  p.out1 = static_cast<__nv_bfloat16*>(out1);
-  static std::once_flag once;
-  static cudaError_t attr = cudaSuccess;
-  std::call_once(once, [] {
-    attr = AllowSmem(sm90::GroupedGemmKernel<kEpi>, sm90::kGemmSmemBytes);
-  });
-  if (attr != cudaSuccess) return cudaGetErrorString(attr);
-  const int64_t ctas = CeilDiv(m_total, C::kBlockM) * p.n_tiles;
-  sm90::GroupedGemmKernel<kEpi>
-      <<<static_cast<unsigned>(ctas), C::kThreads, sm90::kGemmSmemBytes, stream>>>(p);
-  return nullptr;
-}
-
 const char* Check(cudaError_t e) { return e == cudaSuccess ? nullptr : cudaGetErrorString(e); }
+
+// Expert MLPs over the row groups of `offsets` (null: one group of m rows): gu, h and y.
+const char* LaunchExpertMlp(const void* x_rows, const void* w_gate, const void* w_up,
+                            const void* w_down, const int32_t* offsets, int groups, int64_t m,
+                            int64_t H, int64_t I, void* gu, void* h, void* y,
+                            cudaStream_t stream) {
+  GemmParams p{};
+  p.offsets = offsets, p.groups = groups, p.m_total = m;
+  p.n = static_cast<int>(I), p.k = static_cast<int>(H), p.k_split = p.k, p.n_split = p.n;
+  p.out0 = gu, p.out1 = h;
+  const Matrix w_gate_m{w_gate, I, groups * H}, w_up_m{w_up, I, groups * H};
+  if (auto err = sm90::LaunchGemm<sm90::FwdGateUp>(p, {x_rows, H, m}, w_gate_m, w_up_m, stream))
+    return err;
+  p.n = static_cast<int>(H), p.k = static_cast<int>(I), p.k_split = p.k, p.n_split = p.n;
+  p.out0 = y, p.out1 = y;
+  return sm90::LaunchGemm<sm90::FwdDown>(p, {h, I, m}, {w_down, H, groups * I}, {}, stream);
+}
 
 }  // namespace
 
@@ -78,8 +53,9 @@ const char* LaunchMoeFwd(const MoeFwdArgs& a, cudaStream_t stream) {
   static std::once_flag once;
   static cudaError_t attr = cudaSuccess;
   std::call_once(once, [] {
-    attr = AllowSmem(sm90::LayoutRankKernel,
-                     size_t{sm90::kLayoutWarps} * sm90::kMaxExperts * sizeof(int32_t));
+    attr = cudaFuncSetAttribute(
+        sm90::LayoutRankKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        static_cast<int>(size_t{sm90::kLayoutWarps} * sm90::kMaxExperts * sizeof(int32_t)));
   });
   if (auto err = Check(attr)) return err;
   sm90::LayoutRankKernel<<<chunks, sm90::kLayoutChunk, rank_smem, stream>>>(
@@ -93,33 +69,27 @@ const char* LaunchMoeFwd(const MoeFwdArgs& a, cudaStream_t stream) {
       static_cast<const uint4*>(a.x), a.rows, a.offsets + E, k, static_cast<int>(a.H / 8),
       static_cast<uint4*>(a.xs));
   // 3. Expert MLPs: gu and h = silu(g) * u, then y_routed = h @ w_down.
-  const int H = static_cast<int>(a.H), I = static_cast<int>(a.I);
-  if (auto err = LaunchGemm<sm90::Epilogue::kSwiGLU>(a.xs, a.w_gate, a.w_up, a.offsets, E, a.R,
-                                                      I, H, a.gu, a.h, stream))
-    return err;
-  if (auto err = LaunchGemm<sm90::Epilogue::kStore>(a.h, a.w_down, nullptr, a.offsets, E, a.R, H,
-                                                     I, a.y_routed, nullptr, stream))
+  if (auto err = LaunchExpertMlp(a.xs, a.w_gate, a.w_up, a.w_down, a.offsets, E, a.R, a.H, a.I,
+                                 a.gu, a.h, a.y_routed, stream))
     return err;
   // 4. The shared expert: one group of T rows read straight from x.
   if (a.Is > 0) {
-    const int Is = static_cast<int>(a.Is);
-    if (auto err = LaunchGemm<sm90::Epilogue::kSwiGLU>(a.x, a.ws_gate, a.ws_up, nullptr, 1, a.T,
-                                                        Is, H, a.gu_shared, a.h_shared, stream))
-      return err;
-    if (auto err = LaunchGemm<sm90::Epilogue::kStore>(a.h_shared, a.ws_down, nullptr, nullptr, 1,
-                                                       a.T, H, Is, a.y_shared, nullptr, stream))
+    if (auto err = LaunchExpertMlp(a.x, a.ws_gate, a.ws_up, a.ws_down, nullptr, 1, a.T, a.H,
+                                   a.Is, a.gu_shared, a.h_shared, a.y_shared, stream))
       return err;
   }
   // 5. Combine.
-  const auto* y_routed = static_cast<const uint4*>(a.y_routed);
-  const auto* y_shared = a.Is > 0 ? static_cast<const uint4*>(a.y_shared) : nullptr;
+  using bf16 = __nv_bfloat16;
+  const auto* y_routed = static_cast<const bf16*>(a.y_routed);
+  const auto* y_shared = a.Is > 0 ? static_cast<const bf16*>(a.y_shared) : nullptr;
   const unsigned combine_ctas = static_cast<unsigned>(CeilDiv(a.T, 8));
+  const int H = static_cast<int>(a.H);
   if (a.y_f32) {
-    sm90::CombineKernel<float><<<combine_ctas, 256, 0, stream>>>(
+    sm90::CombineKernel<bf16, float><<<combine_ctas, 256, 0, stream>>>(
         y_routed, y_shared, a.pos, a.weights, a.T, k, H, static_cast<float*>(a.y));
   } else {
-    sm90::CombineKernel<__nv_bfloat16><<<combine_ctas, 256, 0, stream>>>(
-        y_routed, y_shared, a.pos, a.weights, a.T, k, H, static_cast<__nv_bfloat16*>(a.y));
+    sm90::CombineKernel<bf16, bf16><<<combine_ctas, 256, 0, stream>>>(
+        y_routed, y_shared, a.pos, a.weights, a.T, k, H, static_cast<bf16*>(a.y));
   }
   return Check(cudaGetLastError());
 }

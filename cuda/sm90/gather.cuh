@@ -1,0 +1,81 @@
+// Moving token rows into and out of the expert-sorted (routed) order. One warp per routed row,
+// 16-byte accesses; rows past offsets[E] (the rows in use) are left alone, padding rows get
+// zeros: the GEMMs read whole 128-row tiles, and zero padding keeps every sum over a tile
+// exact.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+
+namespace mok::sm90 {
+
+// xs[r] = x[rows[r] / k]. (static: both the forward and the backward launch it.)
+static __global__ void __launch_bounds__(256)
+    GatherKernel(const uint4* x, const int32_t* rows, const int32_t* rows_in_use, int k,
+                 int chunks_per_row, uint4* xs) {
+  const int64_t r = int64_t{blockIdx.x} * 8 + threadIdx.x / 32;
+  if (r >= *rows_in_use) return;
+  const int q = rows[r];
+  const uint4* src = q >= 0 ? x + int64_t{q / k} * chunks_per_row : nullptr;
+  uint4* dst = xs + r * chunks_per_row;
+  for (int c = threadIdx.x % 32; c < chunks_per_row; c += 32)
+    dst[c] = src ? __ldg(src + c) : make_uint4(0, 0, 0, 0);
+}
+
+__device__ __forceinline__ void Load8(const __nv_bfloat16* p, float f[8]) {
+  uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float2 t = __bfloat1622float2(h[i]);
+    f[2 * i] = t.x, f[2 * i + 1] = t.y;
+  }
+}
+
+__device__ __forceinline__ void Load8(const float* p, float f[8]) {
+  float4 a = __ldg(reinterpret_cast<const float4*>(p));
+  float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+  f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+}
+
+// Backward, per routed row r holding route q = (t, j):
+//   dy_r[r] = round(w[q] * dy[t]);   dweights[q] = <dy[t], y_routed[r]> (f32).
+// The dot product sums each lane's columns in order, then a fixed butterfly across lanes: the
+// same bits every run. dweights of invalid routes are zeroed beforehand.
+template <class D>
+__global__ void __launch_bounds__(256)
+    ScaleGatherKernel(const D* dy, const __nv_bfloat16* y_routed, const int32_t* rows,
+                      const int32_t* rows_in_use, const float* weights, int k, int H,
+                      __nv_bfloat16* dy_r, float* dweights) {
+  const int64_t r = int64_t{blockIdx.x} * 8 + threadIdx.x / 32;
+  if (r >= *rows_in_use) return;
+  const int lane = threadIdx.x % 32, q = rows[r];
+  uint4* dst = reinterpret_cast<uint4*>(dy_r + r * H);
+  if (q < 0) {
+    for (int c = lane; c < H / 8; c += 32) dst[c] = make_uint4(0, 0, 0, 0);
+    return;
+  }
+  const int64_t t = q / k;
+  const float w = weights[q];
+  float dot = 0.0f;
+  for (int c = lane; c < H / 8; c += 32) {
+    float g[8], y[8];
+    Load8(dy + t * H + c * 8, g);
+    Load8(y_routed + r * H + c * 8, y);
+    uint4 v;
+    __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      dot = fmaf(g[2 * i], y[2 * i], dot);
+      dot = fmaf(g[2 * i + 1], y[2 * i + 1], dot);
+      o[i] = __floats2bfloat162_rn(w * g[2 * i], w * g[2 * i + 1]);
+    }
+    dst[c] = v;
+  }
+#pragma unroll
+  for (int mask = 16; mask > 0; mask /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, mask);
+  if (lane == 0) dweights[q] = dot;
+}
+
+}  // namespace mok::sm90

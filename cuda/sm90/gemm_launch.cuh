@@ -1,0 +1,72 @@
+// Host side of a grouped GEMM launch: TMA descriptors for the operands, grid, shared memory.
+#pragma once
+
+#include <cstdint>
+#include <mutex>
+
+#include "gemm_kernel.cuh"
+#include "tensor_map.h"
+
+namespace mok::sm90 {
+
+// A row-major bf16 matrix (rows, inner) in device memory.
+struct Matrix {
+  const void* base;
+  int64_t inner;
+  int64_t rows;
+};
+
+inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// K-major operands are read in (64, box_rows) boxes, MN-major ones in (64, 64) boxes.
+inline bool Describe(CUtensorMap* map, const Matrix& m, bool k_major, int box_rows) {
+  return MakeTensorMap(map, m.base, m.inner, m.rows, GemmConfig::kBoxInner,
+                       k_major ? box_rows : GemmConfig::kBlockK);
+}
+
+// Launches one grouped GEMM of `Kind`. `p` carries everything but the tensor maps and tile
+// counts; b1 is read only by kSwiGLU and by a K-major B split at p.k_split.
+template <class Kind>
+const char* LaunchGemm(GemmParams p, const Matrix& a, const Matrix& b0, const Matrix& b1,
+                       cudaStream_t stream) {
+  using C = GemmConfig;
+  const bool uses_b1 = Kind::kEpi == Epilogue::kSwiGLU || (Kind::kKMajorB && p.k_split < p.k);
+  if (!Describe(&p.a, a, Kind::kKMajorA, C::kBlockM) ||
+      !Describe(&p.b0, b0, Kind::kKMajorB, C::kBlockN) ||
+      (uses_b1 && !Describe(&p.b1, b1, Kind::kKMajorB, C::kBlockN))) {
+    return "cuTensorMapEncodeTiled refused a GEMM operand";
+  }
+  const int cols_per_tile = Kind::kEpi == Epilogue::kSwiGLU ? C::kBlockN / 2 : C::kBlockN;
+  p.n_tiles = static_cast<int>(CeilDiv(p.n, cols_per_tile));
+  int64_t ctas;
+  if constexpr (Kind::kSched == Schedule::kRowsByGroup) {
+    ctas = CeilDiv(p.m_total, C::kBlockM) * p.n_tiles;
+  } else {
+    p.m_tiles = static_cast<int>(CeilDiv(p.m, C::kBlockM));
+    ctas = int64_t{p.groups} * p.m_tiles * p.n_tiles;
+  }
+  static std::once_flag once;
+  static cudaError_t attr = cudaSuccess;
+  std::call_once(once, [] {
+    attr = cudaFuncSetAttribute(GroupedGemmKernel<Kind>,
+                                cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                static_cast<int>(kGemmSmemBytes));
+  });
+  if (attr != cudaSuccess) return cudaGetErrorString(attr);
+  if (ctas == 0) return nullptr;
+  GroupedGemmKernel<Kind>
+      <<<static_cast<unsigned>(ctas), C::kThreads, kGemmSmemBytes, stream>>>(p);
+  return nullptr;
+}
+
+using cute::GMMA::Major;
+// Forward: gu, h = SwiGLU(x_rows @ [w_gate | w_up]); y_routed = h @ w_down.
+using FwdGateUp = GemmKind<Major::K, Major::MN, Epilogue::kSwiGLU, Schedule::kRowsByGroup>;
+using FwdDown = GemmKind<Major::K, Major::MN, Epilogue::kStore, Schedule::kRowsByGroup>;
+// Backward data gradients: dgu, h = SwiGLU'(dy_r @ w_down^T); dx_r = dgu @ [w_gate | w_up]^T.
+using BwdDown = GemmKind<Major::K, Major::K, Epilogue::kSwiGLUBwd, Schedule::kRowsByGroup>;
+using BwdGateUp = GemmKind<Major::K, Major::K, Epilogue::kStoreF32, Schedule::kRowsByGroup>;
+// Backward weight gradients: dW_g = A[rows of g]^T @ B[rows of g].
+using BwdWeights = GemmKind<Major::MN, Major::MN, Epilogue::kStore, Schedule::kGroupedK>;
+
+}  // namespace mok::sm90

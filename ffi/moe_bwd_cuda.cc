@@ -1,0 +1,109 @@
+// mok_moe_bwd on CUDA GPUs: argument checks here, the work in cuda/sm90 (launch.h).
+#include <cuda_runtime_api.h>
+
+#include <string>
+
+#include "../cuda/launch.h"
+#include "moe_args.h"
+#include "moe_cuda.h"
+
+namespace mok {
+namespace {
+
+ffi::Error MoeBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
+                      ffi::AnyBuffer experts, ffi::AnyBuffer weights, ffi::AnyBuffer w_gate,
+                      ffi::AnyBuffer w_up, ffi::AnyBuffer w_down, ffi::AnyBuffer ws_gate,
+                      ffi::AnyBuffer ws_up, ffi::AnyBuffer ws_down, ffi::AnyBuffer pos,
+                      ffi::AnyBuffer offsets, ffi::AnyBuffer rows, ffi::AnyBuffer gu,
+                      ffi::AnyBuffer y_routed, ffi::AnyBuffer gu_shared,
+                      ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dweights,
+                      ffi::Result<ffi::AnyBuffer> dw_gate, ffi::Result<ffi::AnyBuffer> dw_up,
+                      ffi::Result<ffi::AnyBuffer> dw_down, ffi::Result<ffi::AnyBuffer> dws_gate,
+                      ffi::Result<ffi::AnyBuffer> dws_up, ffi::Result<ffi::AnyBuffer> dws_down,
+                      ffi::Result<ffi::AnyBuffer> dy_routed, ffi::Result<ffi::AnyBuffer> dgu,
+                      ffi::Result<ffi::AnyBuffer> dx_routed,
+                      ffi::Result<ffi::AnyBuffer> dgu_shared, ffi::Result<ffi::AnyBuffer> xs,
+                      ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> h_shared,
+                      ffi::Result<ffi::AnyBuffer> dx_shared, int64_t block_m) {
+  MoeInputs in{x, experts, weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down};
+  MoeResiduals res{pos, offsets, rows, gu, y_routed, gu_shared};
+  MoeBwdResults out{*dx,     *dweights, *dw_gate,   *dw_up, *dw_down,   *dws_gate,
+                    *dws_up, *dws_down, *dy_routed, *dgu,   *dx_routed, *dgu_shared,
+                    *xs,     *h,        *h_shared,  *dx_shared};
+  auto dims = CheckInputs("mok_moe_bwd", in, block_m);
+  if (dims.has_error()) return dims.error();
+  const MoeDims& d = *dims;
+  if (x.element_type() != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("mok_moe_bwd: the CUDA kernel takes bf16 tokens, got " +
+                                       DescribeBuffer(x.element_type(), x.dimensions()));
+  if (block_m != 128)
+    return ffi::Error::InvalidArgument("mok_moe_bwd: the CUDA kernel needs block_m = 128, got " +
+                                       std::to_string(block_m));
+  if (auto err = CheckBwdArgs(d, ffi::DataType::BF16, dy, res, out); err.failure()) return err;
+  cuda::MoeBwdArgs a{};
+  a.T = d.T, a.H = d.H, a.I = d.I, a.E = d.E, a.k = d.k, a.Is = d.Is, a.R = d.R;
+  a.dy = dy.untyped_data(), a.dy_f32 = dy.element_type() == ffi::DataType::F32;
+  a.x = x.untyped_data(), a.weights = weights.reinterpret_data<float>();
+  a.w_gate = w_gate.untyped_data(), a.w_up = w_up.untyped_data();
+  a.w_down = w_down.untyped_data();
+  a.ws_gate = ws_gate.untyped_data(), a.ws_up = ws_up.untyped_data();
+  a.ws_down = ws_down.untyped_data();
+  a.pos = pos.reinterpret_data<int32_t>(), a.offsets = offsets.reinterpret_data<int32_t>();
+  a.rows = rows.reinterpret_data<int32_t>();
+  a.gu = gu.untyped_data(), a.y_routed = y_routed.untyped_data();
+  a.gu_shared = gu_shared.untyped_data();
+  a.dx = out.dx.untyped_data(), a.dweights = out.dweights.reinterpret_data<float>();
+  a.dw_gate = out.dw_gate.untyped_data(), a.dw_up = out.dw_up.untyped_data();
+  a.dw_down = out.dw_down.untyped_data();
+  a.dws_gate = out.dws_gate.untyped_data(), a.dws_up = out.dws_up.untyped_data();
+  a.dws_down = out.dws_down.untyped_data();
+  a.dy_routed = out.dy_routed.untyped_data(), a.dgu = out.dgu.untyped_data();
+  a.dx_routed = out.dx_routed.reinterpret_data<float>();
+  a.xs = out.xs.untyped_data(), a.h = out.h.untyped_data();
+  a.dgu_shared = out.dgu_shared.untyped_data(), a.h_shared = out.h_shared.untyped_data();
+  a.dx_shared = out.dx_shared.reinterpret_data<float>();
+  if (const char* err = cuda::LaunchMoeBwd(a, stream))
+    return ffi::Error::Internal(std::string("mok_moe_bwd: ") + err);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace mok
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MokMoeBwdCuda, mok::MoeBwdCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // dy (T, H) bf16 or f32
+                                  .Arg<xla::ffi::AnyBuffer>()  // x (T, H) bf16
+                                  .Arg<xla::ffi::AnyBuffer>()  // experts (T, k) s32
+                                  .Arg<xla::ffi::AnyBuffer>()  // weights (T, k) f32
+                                  .Arg<xla::ffi::AnyBuffer>()  // w_gate (E, H, I)
+                                  .Arg<xla::ffi::AnyBuffer>()  // w_up (E, H, I)
+                                  .Arg<xla::ffi::AnyBuffer>()  // w_down (E, I, H)
+                                  .Arg<xla::ffi::AnyBuffer>()  // ws_gate (H, Is)
+                                  .Arg<xla::ffi::AnyBuffer>()  // ws_up (H, Is)
+                                  .Arg<xla::ffi::AnyBuffer>()  // ws_down (Is, H)
+                                  .Arg<xla::ffi::AnyBuffer>()  // pos (T, k) s32
+                                  .Arg<xla::ffi::AnyBuffer>()  // offsets (E + 1) s32
+                                  .Arg<xla::ffi::AnyBuffer>()  // rows (R) s32
+                                  .Arg<xla::ffi::AnyBuffer>()  // gu (R, 2I)
+                                  .Arg<xla::ffi::AnyBuffer>()  // y_routed (R, H)
+                                  .Arg<xla::ffi::AnyBuffer>()  // gu_shared (T, 2Is)
+                                  .Ret<xla::ffi::AnyBuffer>()  // dx (T, H)
+                                  .Ret<xla::ffi::AnyBuffer>()  // dweights (T, k) f32
+                                  .Ret<xla::ffi::AnyBuffer>()  // dw_gate (E, H, I)
+                                  .Ret<xla::ffi::AnyBuffer>()  // dw_up (E, H, I)
+                                  .Ret<xla::ffi::AnyBuffer>()  // dw_down (E, I, H)
+                                  .Ret<xla::ffi::AnyBuffer>()  // dws_gate (H, Is)
+                                  .Ret<xla::ffi::AnyBuffer>()  // dws_up (H, Is)
+                                  .Ret<xla::ffi::AnyBuffer>()  // dws_down (Is, H)
+                                  .Ret<xla::ffi::AnyBuffer>()  // scratch dy_routed (R, H)
+                                  .Ret<xla::ffi::AnyBuffer>()  // scratch dgu (R, 2I)
+                                  .Ret<xla::ffi::AnyBuffer>()  // scratch dx_routed (R, H) f32
+                                  .Ret<xla::ffi::AnyBuffer>()  // scratch dgu_shared (T, 2Is)
+                                  .Ret<xla::ffi::AnyBuffer>()  // scratch xs (R, H)
+                                  .Ret<xla::ffi::AnyBuffer>()  // scratch h (R, I)
+                                  .Ret<xla::ffi::AnyBuffer>()  // scratch h_shared (T, Is)
+                                  .Ret<xla::ffi::AnyBuffer>()  // scratch dx_shared (T, H) f32
+                                  .Attr<int64_t>("block_m"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
