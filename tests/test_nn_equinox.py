@@ -1,0 +1,252 @@
+"""mok_jax.nn.equinox.MoE against a dense reference: outputs, gradients, auxiliary losses (against
+NumPy), the selection bias, expert parallelism on 8 CPU devices, and a serialisation round trip."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+import mok_jax
+from mok_jax.nn.equinox import MoE, trainable
+
+F32_RTOL = 2e-5  # f32 layer vs f32 dense reference (different summation order)
+BF16_RTOL = 3e-2  # bf16 compute dtype vs the f32 reference
+GRAD_RTOL = 1e-4
+HI = jax.lax.Precision.HIGHEST
+
+
+# --- the reference: every expert on every token, a (T, E) gate matrix zero off the top k ---
+
+
+def dense_moe(x, p, *, top_k, score="softmax", renormalize=True, n_groups=None,
+              topk_groups=None, bias=None):
+  """(y, load_balancing_loss, router_z_loss, counts) of the layer, written out densely."""
+  x = x.reshape(-1, x.shape[-1])
+  E = p["router"].shape[1]
+  logits = jnp.dot(x, p["router"], precision=HI)
+  scores = jax.nn.softmax(logits) if score == "softmax" else jax.nn.sigmoid(logits)
+  select = jax.lax.stop_gradient(scores) + (0.0 if bias is None else bias)
+  if n_groups is not None:
+    grouped = select.reshape(-1, n_groups, E // n_groups)
+    group_score = -jnp.sort(-grouped, axis=-1)[..., :2].sum(-1)
+    kept = jnp.argsort(-group_score, axis=-1, stable=True)[:, :topk_groups]
+    keep = (jnp.arange(n_groups)[None, None, :] == kept[:, :, None]).any(1)
+    select = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(-1, E)
+  chosen = jnp.argsort(-select, axis=-1, stable=True)[:, :top_k]
+  mask = (jnp.arange(E)[None, None, :] == chosen[:, :, None]).any(1)
+  gate = jnp.where(mask, scores, 0.0)
+  if renormalize:
+    gate = gate / (gate.sum(-1, keepdims=True) + 1e-20)
+  ein = lambda s, a, b: jnp.einsum(s, a, b, precision=HI)  # noqa: E731
+  h = jax.nn.silu(ein("th,ehi->tei", x, p["w_gate"])) * ein("th,ehi->tei", x, p["w_up"])
+  y = jnp.einsum("te,teh->th", gate, ein("tei,eih->teh", h, p["w_down"]), precision=HI)
+  if p.get("ws_gate") is not None:
+    hs = jax.nn.silu(jnp.dot(x, p["ws_gate"], precision=HI)) * jnp.dot(x, p["ws_up"], precision=HI)
+    y = y + jnp.dot(hs, p["ws_down"], precision=HI)
+  probs = scores if score == "softmax" else scores / scores.sum(-1, keepdims=True)
+  counts = mask.sum(0)
+  lb = E * jnp.sum(jax.lax.stop_gradient(counts / (x.shape[0] * top_k)) * probs.mean(0))
+  z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+  return y, lb, z, counts
+
+
+def dense_ref(moe, x, **kw):
+  """dense_moe with the layer's options and parameters, jitted."""
+  return jax.jit(lambda x, p: dense_moe(x, p, **ref_kwargs(moe), **kw))(x, params_of(moe))
+
+
+def aux_numpy(logits, experts, E, score):
+  """The documented formulas (MoEAux) in float64 NumPy."""
+  logits = np.asarray(logits, np.float64)
+  T, k = experts.shape
+  if score == "softmax":
+    e = np.exp(logits - logits.max(-1, keepdims=True))
+    probs = e / e.sum(-1, keepdims=True)
+  else:
+    s = 1 / (1 + np.exp(-logits))
+    probs = s / s.sum(-1, keepdims=True)
+  counts = np.bincount(np.asarray(experts).ravel(), minlength=E)
+  lb = E * np.sum(counts / (T * k) * probs.mean(0))
+  m = logits.max(-1)
+  z = np.mean((m + np.log(np.exp(logits - m[:, None]).sum(-1))) ** 2)
+  return lb, z, counts
+
+
+PARAMS = ("router", "w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down")
+
+
+def params_of(moe):
+  return {name: getattr(moe, name) for name in PARAMS if getattr(moe, name) is not None}
+
+
+def assert_close(actual, expected, rtol, name=""):
+  actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+  scale = max(float(np.max(np.abs(expected))), 1e-30)
+  np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * scale, err_msg=name)
+
+
+CASES = {
+    "softmax": dict(),
+    "sigmoid_groups_shared": dict(score="sigmoid", renormalize=False, n_groups=4, topk_groups=2,
+                                  shared_intermediate_size=6),
+}
+
+
+def make(case="softmax", seed=0, **kw):
+  opts = dict(hidden_size=16, intermediate_size=8, num_experts=8, top_k=2)
+  opts.update(CASES[case])
+  opts.update(kw)
+  return MoE(**opts, key=jax.random.key(seed))
+
+
+def ref_kwargs(moe):
+  o = moe.options
+  return dict(top_k=o.top_k, score=o.score, renormalize=o.renormalize, n_groups=o.n_groups,
+              topk_groups=o.topk_groups)
+
+
+def tokens(shape=(3, 5, 16), seed=1, dtype=jnp.float32):
+  return jax.random.normal(jax.random.key(seed), shape, dtype)
+
+
+# --- tests ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_forward_gradients_and_aux(case):
+  moe = make(case)
+  x, ct = tokens(), tokens(seed=2)
+
+  def loss_of(y, lb, z):
+    return jnp.sum(y.reshape(ct.shape) * ct) + 0.3 * lb + 0.1 * z
+
+  @eqx.filter_jit
+  def run(m, x):
+    def loss(m, x):
+      y, aux = m(x)
+      return loss_of(y, aux.load_balancing_loss, aux.router_z_loss), (y, aux)
+    return eqx.filter_grad(loss, has_aux=True)(m, x)
+
+  grads, (y, aux) = run(moe, x)
+  want_y, want_lb, want_z, want_counts = dense_ref(moe, x)
+  assert y.shape == x.shape and y.dtype == jnp.float32
+  assert_close(y.reshape(-1, 16), want_y, F32_RTOL, "y")
+  np.testing.assert_array_equal(aux.counts, want_counts)
+
+  logits = x.reshape(-1, 16) @ moe.router
+  o = moe.options
+  experts, _ = mok_jax.route(logits, o.top_k, score=o.score, renormalize=o.renormalize,
+                             n_groups=o.n_groups, topk_groups=o.topk_groups)
+  lb, z, counts = aux_numpy(logits, np.asarray(experts), 8, o.score)
+  np.testing.assert_array_equal(aux.counts, counts)
+  assert_close(aux.load_balancing_loss, lb, F32_RTOL, "load_balancing_loss")
+  assert_close(aux.router_z_loss, z, F32_RTOL, "router_z_loss")
+
+  def ref_loss(p):
+    y, lb, z, _ = dense_moe(x, p, **ref_kwargs(moe))
+    return loss_of(y, lb, z)
+
+  for name, g in jax.jit(jax.grad(ref_loss))(params_of(moe)).items():
+    assert_close(getattr(grads, name), g, GRAD_RTOL, f"d{name}")
+
+
+def test_bf16_compute_dtype():
+  x = tokens()
+  moe = make(dtype=jnp.bfloat16, shared_intermediate_size=4)
+  y, _ = moe(x)
+  assert y.dtype == jnp.bfloat16 and moe.w_up.dtype == jnp.float32
+  assert_close(y.reshape(-1, 16), dense_ref(moe, x)[0],
+               BF16_RTOL, "bf16 y")
+
+
+def test_selection_bias_and_trainable_filter():
+  moe = make(selection_bias=True)
+  x = tokens()
+  moe = eqx.tree_at(lambda m: m.bias, moe, jnp.zeros(8).at[:2].set(10.0))
+  y, aux = moe(x)
+  np.testing.assert_array_equal(aux.counts, [15, 15] + [0] * 6)
+  assert_close(y.reshape(-1, 16),
+               dense_ref(moe, x, bias=moe.bias)[0], F32_RTOL, "y")
+  counts = jnp.array([4, 0, 2, 2, 2, 2, 2, 2])  # mean 2
+  updated = moe.update_bias(counts, 0.5)
+  np.testing.assert_allclose(updated.bias, moe.bias + 0.5 * np.sign(2.0 - np.asarray(counts)))
+  # Training with the trainable() filter: the bias stays, the parameters move.
+  params, static = eqx.partition(moe, trainable(moe))
+  assert params.bias is None and params.router is not None
+  opt = optax.adamw(1e-2, weight_decay=0.1)
+  state = opt.init(params)
+
+  def loss(params):
+    return eqx.combine(params, static)(x)[1].load_balancing_loss
+
+  updates, state = opt.update(jax.grad(loss)(params), state, params)
+  moved = eqx.combine(optax.apply_updates(params, updates), static)
+  np.testing.assert_array_equal(moved.bias, moe.bias)
+  assert not np.array_equal(moved.router, moe.router)
+
+
+@pytest.mark.parametrize("mesh_shape, axis_type, data_axes, T", [
+    ((4, 2), AxisType.Auto, ("data",), 13),  # tokens over data x expert, padded from 13 to 16
+    ((8,), AxisType.Explicit, None, 16),  # experts only, one per device
+])
+def test_sharded_equals_unsharded(mesh_shape, axis_type, data_axes, T):
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices (tests/conftest.py sets XLA_FLAGS)")
+  names = ("data", "expert")[-len(mesh_shape):]
+  mesh = jax.make_mesh(mesh_shape, names, axis_types=(axis_type,) * len(names))
+  case = dict(shared_intermediate_size=6, selection_bias=True)
+  sharded = make("sigmoid_groups_shared", mesh=mesh, expert_axis="expert", data_axes=data_axes,
+                 **case)
+  plain = make("sigmoid_groups_shared", **case)
+  specs = sharded.partition_specs()
+  assert specs.w_gate == PartitionSpec("expert", None, None) and specs.router == PartitionSpec()
+  assert sharded.w_up.sharding == NamedSharding(mesh, specs.w_up)
+  assert sharded.shardings().w_down == NamedSharding(mesh, PartitionSpec("expert", None, None))
+  x = tokens((T, 16), seed=3)
+
+  @eqx.filter_jit
+  def step(m, x):
+    def loss(m):
+      y, aux = m(x)
+      return jnp.sum(y * y) + aux.load_balancing_loss + aux.router_z_loss, (y, aux)
+    grads, (y, aux) = eqx.filter_grad(loss, has_aux=True)(m)
+    return y, aux, grads, m.update_bias(aux.counts, 0.1)
+
+  with jax.set_mesh(mesh):
+    y, aux, grads, stepped = step(sharded, x)
+  want_y, want_aux, want_grads, want_stepped = step(plain, x)
+  assert_close(y, want_y, F32_RTOL, "y")
+  np.testing.assert_array_equal(aux.counts, want_aux.counts)
+  assert_close(aux.load_balancing_loss, want_aux.load_balancing_loss, F32_RTOL, "lb")
+  assert_close(aux.router_z_loss, want_aux.router_z_loss, F32_RTOL, "z")
+  for name in params_of(plain):
+    assert_close(getattr(grads, name), getattr(want_grads, name), GRAD_RTOL, f"d{name}")
+  np.testing.assert_array_equal(stepped.bias, want_stepped.bias)
+  assert stepped.w_gate.sharding.is_equivalent_to(sharded.shardings().w_gate, 3)
+
+
+def test_expert_axis_must_divide_experts():
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices")
+  mesh = jax.make_mesh((2, 4), ("data", "expert"))
+  with pytest.raises(ValueError, match="num_experts=6 is not divisible by the size 4"):
+    make(num_experts=6, top_k=1, mesh=mesh, expert_axis="expert")
+  with pytest.raises(ValueError, match="expert_axis must name an axis"):
+    make(mesh=mesh, expert_axis="experts")
+  with pytest.raises(ValueError, match="data_axes"):
+    make(mesh=mesh, expert_axis="expert", data_axes=("expert",))
+
+
+def test_serialise_round_trip(tmp_path):
+  moe = make("sigmoid_groups_shared", selection_bias=True)
+  moe = moe.update_bias(jnp.arange(8), 0.25)
+  path = tmp_path / "moe.eqx"
+  eqx.tree_serialise_leaves(path, moe)
+  like = eqx.filter_eval_shape(lambda: make("sigmoid_groups_shared", seed=9, selection_bias=True))
+  restored = eqx.tree_deserialise_leaves(path, like)
+  x = tokens()
+  np.testing.assert_array_equal(restored.bias, moe.bias)
+  np.testing.assert_array_equal(restored(x)[0], moe(x)[0])
