@@ -174,6 +174,84 @@ def _check_ffi_inputs(x, experts, weights, w_gate, w_up, w_down, shared):
   return dims
 
 
+def fwd_results(dims: MoeDims, dtype, out_dtype, block_m) -> tuple:
+  """The results mok_moe_fwd declares: y, the `Residuals`, then scratch that XLA frees after
+  the call (declared results, so that the handler allocates nothing)."""
+  T, H, I, E, k, Is = dims
+  R = routed_rows(T * k, E, block_m)
+  sds = jax.ShapeDtypeStruct
+  return (
+      sds((T, H), out_dtype),  # y
+      sds((T, k), jnp.int32),  # pos
+      sds((E + 1,), jnp.int32),  # offsets
+      sds((R,), jnp.int32),  # rows
+      sds((R, 2 * I), dtype),  # gu
+      sds((R, H), dtype),  # y_routed
+      sds((T, 2 * Is), dtype),  # gu_shared
+      sds((R, H), dtype),  # scratch xs: the token row of each routed row
+      sds((R, I), dtype),  # scratch h = silu(g) * u
+      sds((T, Is), dtype),  # scratch h of the shared expert
+      sds((T if Is else 0, H), dtype),  # scratch: output of the shared expert
+      sds((_mok_cpu.layout_scratch_ints(T * k, E),), jnp.int32),  # scratch of the layout kernels
+  )
+
+
+def bwd_results(dims: MoeDims, dtype, block_m) -> tuple:
+  """The results mok_moe_bwd declares: the eight gradients, then scratch."""
+  T, H, I, E, k, Is = dims
+  R = routed_rows(T * k, E, block_m)
+  sds = jax.ShapeDtypeStruct
+  return (
+      sds((T, H), dtype),  # dx
+      sds((T, k), jnp.float32),  # dweights
+      sds((E, H, I), dtype),  # dw_gate
+      sds((E, H, I), dtype),  # dw_up
+      sds((E, I, H), dtype),  # dw_down
+      sds((H, Is), dtype),  # dws_gate
+      sds((H, Is), dtype),  # dws_up
+      sds((Is, H), dtype),  # dws_down
+      sds((R, H), dtype),  # scratch: dy_routed = w * dy of each routed row
+      sds((R, 2 * I), dtype),  # scratch: [dg | du] of each routed row
+      sds((R, H), jnp.float32),  # scratch: dx of each routed row, summed per token in j order
+      sds((T, 2 * Is), dtype),  # scratch: [dg | du] of the shared expert
+      sds((R, H), dtype),  # scratch: the token row of each routed row
+      sds((R, I), dtype),  # scratch: h = silu(g) * u, recomputed from gu
+      sds((T, Is), dtype),  # scratch: h of the shared expert
+      sds((T if Is else 0, H), jnp.float32),  # scratch: dx of the shared expert
+  )
+
+
+class Footprint(NamedTuple):
+  """Device bytes of one layer's call, beyond its inputs and outputs (see `footprint`)."""
+
+  residuals: int  # kept from the forward until the backward
+  fwd_scratch: int  # live during the forward call only
+  bwd_scratch: int  # live during the backward call only
+
+
+def footprint(dims: MoeDims, dtype, block_m=CUDA_BLOCK_M) -> Footprint:
+  """The memory the FFI targets need, with b = bytes per element of x, R = routed_rows(T k, E,
+  block_m) = T k + min(E, T k) (block_m - 1), S = [Is > 0]:
+
+    residuals   = 4 (T k + E + 1 + R) + b (2 R I + R H + 2 T Is)
+    fwd scratch = b (R H + R I + T Is + S T H) + 4 ceil(T k / 1024) E
+    bwd scratch = b (R H + 2 R I + 2 T Is + R H + R I + T Is) + 4 (R H + S T H)
+
+  The forward's y and the backward's gradients are not counted (any implementation has them).
+  """
+  T, H, I, E, k, Is = dims
+  b = jnp.dtype(dtype).itemsize
+  R = routed_rows(T * k, E, block_m)
+  S = 1 if Is else 0
+  chunks = -(-T * k // 1024)
+  return Footprint(
+      residuals=4 * (T * k + E + 1 + R) + b * (2 * R * I + R * H + 2 * T * Is),
+      fwd_scratch=b * (R * H + R * I + T * Is + S * T * H) + 4 * chunks * E,
+      bwd_scratch=b * (R * H + 2 * R * I + 2 * T * Is + R * H + R * I + T * Is)
+      + 4 * (R * H + S * T * H),
+  )
+
+
 def moe_fwd(x, experts, weights, w_gate, w_up, w_down, shared=None, *, out_dtype, block_m):
   """Target mok_moe_fwd.
 
@@ -188,26 +266,10 @@ def moe_fwd(x, experts, weights, w_gate, w_up, w_down, shared=None, *, out_dtype
   out_dtype = jnp.dtype(out_dtype)
   if out_dtype not in (jnp.dtype(x.dtype), jnp.dtype(jnp.float32)):
     raise ValueError(f"moe_fwd: out_dtype must be x's dtype or float32, got {out_dtype}")
-  T, H, I, E, k, Is = dims
-  R = routed_rows(T * k, E, block_m)
-  sds = jax.ShapeDtypeStruct
-  results = (
-      sds((T, H), out_dtype),  # y
-      sds((T, k), jnp.int32),  # pos
-      sds((E + 1,), jnp.int32),  # offsets
-      sds((R,), jnp.int32),  # rows
-      sds((R, 2 * I), x.dtype),  # gu
-      sds((R, H), x.dtype),  # y_routed
-      sds((T, 2 * Is), x.dtype),  # gu_shared
-      sds((R, H), x.dtype),  # scratch xs: the token row of each routed row
-      sds((R, I), x.dtype),  # scratch h = silu(g) * u
-      sds((T, Is), x.dtype),  # scratch h of the shared expert
-      sds((T if Is else 0, H), x.dtype),  # scratch: output of the shared expert
-      sds((_mok_cpu.layout_scratch_ints(T * k, E),), jnp.int32),  # scratch of the layout kernels
-  )
+  results = fwd_results(dims, x.dtype, out_dtype, block_m)
   call = jax.ffi.ffi_call("mok_moe_fwd", results, vmap_method="sequential")
   y, *residuals = call(x, experts, weights, w_gate, w_up, w_down,
-                       *_shared_or_empty(shared, H, x.dtype), block_m=np.int64(block_m))
+                       *_shared_or_empty(shared, dims.H, x.dtype), block_m=np.int64(block_m))
   return y, Residuals(*residuals[:len(Residuals._fields)])
 
 
@@ -221,37 +283,17 @@ def moe_bwd(dy, x, experts, weights, w_gate, w_up, w_down, shared, residuals: Re
     `Grads`: x (T, H), weights (T, k) f32, w_gate, w_up (E, H, I), w_down (E, I, H) and the
     shared weights' gradients (None without a shared expert), all but weights in x's dtype.
   """
-  T, H, I, E, k, Is = _check_ffi_inputs(x, experts, weights, w_gate, w_up, w_down, shared)
-  R = routed_rows(T * k, E, block_m)
+  dims = _check_ffi_inputs(x, experts, weights, w_gate, w_up, w_down, shared)
+  T, H = dims.T, dims.H
   if dy.shape != (T, H) or jnp.dtype(dy.dtype) not in (jnp.dtype(x.dtype), jnp.float32):
     raise ValueError(f"moe_bwd: dy must be ({T}, {H}) of {x.dtype} or float32, got "
                      f"{dy.shape} {dy.dtype}")
-  want = Residuals(pos=((T, k), jnp.int32), offsets=((E + 1,), jnp.int32), rows=((R,), jnp.int32),
-                   gu=((R, 2 * I), x.dtype), y_routed=((R, H), x.dtype),
-                   gu_shared=((T, 2 * Is), x.dtype))
-  for name, (shape, dtype), got in zip(Residuals._fields, want, residuals):
-    if got.shape != shape or got.dtype != dtype:
-      raise ValueError(f"moe_bwd: residual {name} must be {shape} {jnp.dtype(dtype)}, got "
+  want = fwd_results(dims, x.dtype, x.dtype, block_m)[1:1 + len(Residuals._fields)]
+  for name, spec, got in zip(Residuals._fields, want, residuals):
+    if got.shape != spec.shape or got.dtype != spec.dtype:
+      raise ValueError(f"moe_bwd: residual {name} must be {spec.shape} {spec.dtype}, got "
                        f"{got.shape} {got.dtype}")
-  sds = jax.ShapeDtypeStruct
-  results = (
-      sds((T, H), x.dtype),  # dx
-      sds((T, k), jnp.float32),  # dweights
-      sds((E, H, I), x.dtype),  # dw_gate
-      sds((E, H, I), x.dtype),  # dw_up
-      sds((E, I, H), x.dtype),  # dw_down
-      sds((H, Is), x.dtype),  # dws_gate
-      sds((H, Is), x.dtype),  # dws_up
-      sds((Is, H), x.dtype),  # dws_down
-      sds((R, H), x.dtype),  # scratch: dy_routed = w * dy of each routed row
-      sds((R, 2 * I), x.dtype),  # scratch: [dg | du] of each routed row
-      sds((R, H), jnp.float32),  # scratch: dx of each routed row, summed per token in j order
-      sds((T, 2 * Is), x.dtype),  # scratch: [dg | du] of the shared expert
-      sds((R, H), x.dtype),  # scratch: the token row of each routed row
-      sds((R, I), x.dtype),  # scratch: h = silu(g) * u, recomputed from gu
-      sds((T, Is), x.dtype),  # scratch: h of the shared expert
-      sds((T if Is else 0, H), jnp.float32),  # scratch: dx of the shared expert
-  )
+  results = bwd_results(dims, x.dtype, block_m)
   call = jax.ffi.ffi_call("mok_moe_bwd", results, vmap_method="sequential")
   dx, dweights, dw_gate, dw_up, dw_down, *dshared = call(
       dy, x, experts, weights, w_gate, w_up, w_down, *_shared_or_empty(shared, H, x.dtype),

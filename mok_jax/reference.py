@@ -19,8 +19,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-# f32 inputs must not silently drop to TF32 on GPUs; bf16 products are exact either way.
-HIGHEST = jax.lax.Precision.HIGHEST
+
+def _precision(dtype):
+  """HIGHEST for f32, so that f32 inputs do not silently drop to TF32 on GPUs; the default for
+  bf16, whose products are exact either way (and some grouped matmuls, tokamax's among them,
+  reject an explicit precision in their backward)."""
+  return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
 def silu(v):
@@ -36,7 +40,8 @@ def shared_mlp(x, shared):
   """The shared expert's output, rounded to x's dtype and returned in f32:
   (silu(x @ ws_gate) * (x @ ws_up)) @ ws_down."""
   ws_gate, ws_up, ws_down = shared
-  dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=HIGHEST)
+  dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32,
+                          precision=_precision(x.dtype))
   y = dot(swiglu(dot(x, ws_gate), dot(x, ws_up), x.dtype), ws_down)
   return y.astype(x.dtype).astype(jnp.float32)
 
@@ -72,14 +77,14 @@ def moe_local(x, experts, weights, w_gate, w_up, w_down, shared, *, out_dtype, c
   group_sizes = jnp.bincount(group, length=E + 1)[:E].astype(jnp.int32)
   xs = x[order // k]
   dot = functools.partial(ragged_dot, group_sizes=group_sizes,
-                          preferred_element_type=f32, precision=HIGHEST)
+                          preferred_element_type=f32, precision=_precision(x.dtype))
   h = swiglu(dot(xs, w_gate), dot(xs, w_up), x.dtype)
   y_routed = dot(h, w_down).astype(x.dtype)
   inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
   y_routed = y_routed[inverse].reshape(T, k, w_down.shape[-1])
   w = jnp.where(valid, weights, 0.0)
   y_routed = jnp.where(valid[:, :, None], y_routed, 0).astype(f32)
-  y = jnp.einsum("tkh,tk->th", y_routed, w, precision=HIGHEST)
+  y = jnp.einsum("tkh,tk->th", y_routed, w, precision=_precision(jnp.float32))
   if shared is not None:
     y = y + shared_mlp(x, shared)
   return y.astype(out_dtype)
