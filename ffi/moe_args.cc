@@ -160,4 +160,13 @@ ffi::Error CheckBwdArgs(const MoeDims& d, ffi::DataType dtype, ffi::AnyBuffer dy
   return ffi::Error::Success();
 }
 
+ffi::Error CheckCudaKernelArgs(const char* target, ffi::AnyBuffer x, int64_t block_m) {
+  if (x.element_type() != ffi::DataType::BF16)
+    return Invalid(target, "the CUDA kernel takes bf16 tokens, got " +
+                               Describe(x.element_type(), x.dimensions()));
+  if (block_m != 128)
+    return Invalid(target, "the CUDA kernel needs block_m = 128, got " + std::to_string(block_m));
+  return ffi::Error::Success();
+}
+
 }  // namespace mok

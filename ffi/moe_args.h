@@ -87,4 +87,73 @@ ffi::Error CheckBuffer(const char* target, const char* name, ffi::AnyBuffer b,
 
 std::string DescribeBuffer(ffi::DataType dtype, ffi::AnyBuffer::Dimensions dims);
 
+// The argument list of mok_moe_fwd, shared by every platform's handler: the CPU handler binds
+// BindMoeFwd(Ffi::Bind()), the CUDA one puts its stream first.
+template <class Binding>
+auto BindMoeFwd(Binding binding) {
+  return std::move(binding).template Arg<ffi::AnyBuffer>()  // x (T, H) bf16|f32
+      .template Arg<ffi::AnyBuffer>()            // experts (T, k) s32
+      .template Arg<ffi::AnyBuffer>()            // weights (T, k) f32
+      .template Arg<ffi::AnyBuffer>()            // w_gate (E, H, I)
+      .template Arg<ffi::AnyBuffer>()            // w_up (E, H, I)
+      .template Arg<ffi::AnyBuffer>()            // w_down (E, I, H)
+      .template Arg<ffi::AnyBuffer>()            // ws_gate (H, Is)
+      .template Arg<ffi::AnyBuffer>()            // ws_up (H, Is)
+      .template Arg<ffi::AnyBuffer>()            // ws_down (Is, H)
+      .template Ret<ffi::AnyBuffer>()            // y (T, H) like x or f32
+      .template Ret<ffi::AnyBuffer>()            // pos (T, k) s32
+      .template Ret<ffi::AnyBuffer>()            // offsets (E + 1) s32
+      .template Ret<ffi::AnyBuffer>()            // rows (R) s32
+      .template Ret<ffi::AnyBuffer>()            // gu (R, 2I)
+      .template Ret<ffi::AnyBuffer>()            // y_routed (R, H)
+      .template Ret<ffi::AnyBuffer>()            // gu_shared (T, 2Is)
+      .template Ret<ffi::AnyBuffer>()            // scratch xs (R, H)
+      .template Ret<ffi::AnyBuffer>()            // scratch h (R, I)
+      .template Ret<ffi::AnyBuffer>()            // scratch h_shared (T, Is)
+      .template Ret<ffi::AnyBuffer>()            // scratch y_shared (T or 0, H)
+      .template Ret<ffi::AnyBuffer>()            // scratch layout s32
+      .template Attr<int64_t>("block_m");
+}
+
+// The argument list of mok_moe_bwd, shared like BindMoeFwd.
+template <class Binding>
+auto BindMoeBwd(Binding binding) {
+  return std::move(binding).template Arg<ffi::AnyBuffer>()  // dy (T, H) like x or f32
+      .template Arg<ffi::AnyBuffer>()            // x (T, H)
+      .template Arg<ffi::AnyBuffer>()            // experts (T, k) s32
+      .template Arg<ffi::AnyBuffer>()            // weights (T, k) f32
+      .template Arg<ffi::AnyBuffer>()            // w_gate (E, H, I)
+      .template Arg<ffi::AnyBuffer>()            // w_up (E, H, I)
+      .template Arg<ffi::AnyBuffer>()            // w_down (E, I, H)
+      .template Arg<ffi::AnyBuffer>()            // ws_gate (H, Is)
+      .template Arg<ffi::AnyBuffer>()            // ws_up (H, Is)
+      .template Arg<ffi::AnyBuffer>()            // ws_down (Is, H)
+      .template Arg<ffi::AnyBuffer>()            // pos (T, k) s32
+      .template Arg<ffi::AnyBuffer>()            // offsets (E + 1) s32
+      .template Arg<ffi::AnyBuffer>()            // rows (R) s32
+      .template Arg<ffi::AnyBuffer>()            // gu (R, 2I)
+      .template Arg<ffi::AnyBuffer>()            // y_routed (R, H)
+      .template Arg<ffi::AnyBuffer>()            // gu_shared (T, 2Is)
+      .template Ret<ffi::AnyBuffer>()            // dx (T, H)
+      .template Ret<ffi::AnyBuffer>()            // dweights (T, k) f32
+      .template Ret<ffi::AnyBuffer>()            // dw_gate (E, H, I)
+      .template Ret<ffi::AnyBuffer>()            // dw_up (E, H, I)
+      .template Ret<ffi::AnyBuffer>()            // dw_down (E, I, H)
+      .template Ret<ffi::AnyBuffer>()            // dws_gate (H, Is)
+      .template Ret<ffi::AnyBuffer>()            // dws_up (H, Is)
+      .template Ret<ffi::AnyBuffer>()            // dws_down (Is, H)
+      .template Ret<ffi::AnyBuffer>()            // scratch dy_routed (R, H)
+      .template Ret<ffi::AnyBuffer>()            // scratch dgu (R, 2I)
+      .template Ret<ffi::AnyBuffer>()            // scratch dx_routed (R, H) f32
+      .template Ret<ffi::AnyBuffer>()            // scratch dgu_shared (T, 2Is)
+      .template Ret<ffi::AnyBuffer>()            // scratch xs (R, H)
+      .template Ret<ffi::AnyBuffer>()            // scratch h (R, I)
+      .template Ret<ffi::AnyBuffer>()            // scratch h_shared (T, Is)
+      .template Ret<ffi::AnyBuffer>()            // scratch dx_shared (T or 0, H) f32
+      .template Attr<int64_t>("block_m");
+}
+
+// What the CUDA kernels add to the contract: bf16 and block_m = 128. `target` names the call.
+ffi::Error CheckCudaKernelArgs(const char* target, ffi::AnyBuffer x, int64_t block_m);
+
 }  // namespace mok

@@ -215,38 +215,4 @@ ffi::Error MoeBwd(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer experts,
 }  // namespace
 }  // namespace mok::cpu
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MokMoeBwdCpu, mok::cpu::MoeBwd,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()  // dy (T, H) like x or f32
-                                  .Arg<xla::ffi::AnyBuffer>()  // x (T, H)
-                                  .Arg<xla::ffi::AnyBuffer>()  // experts (T, k) s32
-                                  .Arg<xla::ffi::AnyBuffer>()  // weights (T, k) f32
-                                  .Arg<xla::ffi::AnyBuffer>()  // w_gate (E, H, I)
-                                  .Arg<xla::ffi::AnyBuffer>()  // w_up (E, H, I)
-                                  .Arg<xla::ffi::AnyBuffer>()  // w_down (E, I, H)
-                                  .Arg<xla::ffi::AnyBuffer>()  // ws_gate (H, Is)
-                                  .Arg<xla::ffi::AnyBuffer>()  // ws_up (H, Is)
-                                  .Arg<xla::ffi::AnyBuffer>()  // ws_down (Is, H)
-                                  .Arg<xla::ffi::AnyBuffer>()  // pos (T, k) s32
-                                  .Arg<xla::ffi::AnyBuffer>()  // offsets (E + 1) s32
-                                  .Arg<xla::ffi::AnyBuffer>()  // rows (R) s32
-                                  .Arg<xla::ffi::AnyBuffer>()  // gu (R, 2I)
-                                  .Arg<xla::ffi::AnyBuffer>()  // y_routed (R, H)
-                                  .Arg<xla::ffi::AnyBuffer>()  // gu_shared (T, 2Is)
-                                  .Ret<xla::ffi::AnyBuffer>()  // dx (T, H)
-                                  .Ret<xla::ffi::AnyBuffer>()  // dweights (T, k) f32
-                                  .Ret<xla::ffi::AnyBuffer>()  // dw_gate (E, H, I)
-                                  .Ret<xla::ffi::AnyBuffer>()  // dw_up (E, H, I)
-                                  .Ret<xla::ffi::AnyBuffer>()  // dw_down (E, I, H)
-                                  .Ret<xla::ffi::AnyBuffer>()  // dws_gate (H, Is)
-                                  .Ret<xla::ffi::AnyBuffer>()  // dws_up (H, Is)
-                                  .Ret<xla::ffi::AnyBuffer>()  // dws_down (Is, H)
-                                  .Ret<xla::ffi::AnyBuffer>()  // scratch dy_routed (R, H)
-                                  .Ret<xla::ffi::AnyBuffer>()  // scratch dgu (R, 2I)
-                                  .Ret<xla::ffi::AnyBuffer>()  // scratch dx_routed (R, H) f32
-                                  .Ret<xla::ffi::AnyBuffer>()  // scratch dgu_shared (T, 2Is)
-                                  .Ret<xla::ffi::AnyBuffer>()  // scratch xs (R, H)
-                                  .Ret<xla::ffi::AnyBuffer>()  // scratch h (R, I)
-                                  .Ret<xla::ffi::AnyBuffer>()  // scratch h_shared (T, Is)
-                                  .Ret<xla::ffi::AnyBuffer>()  // scratch dx_shared (T, H) f32
-                                  .Attr<int64_t>("block_m"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MokMoeBwdCpu, mok::cpu::MoeBwd, mok::BindMoeBwd(xla::ffi::Ffi::Bind()));

@@ -33,12 +33,7 @@ ffi::Error MoeBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
   auto dims = CheckInputs("mok_moe_bwd", in, block_m);
   if (dims.has_error()) return dims.error();
   const MoeDims& d = *dims;
-  if (x.element_type() != ffi::DataType::BF16)
-    return ffi::Error::InvalidArgument("mok_moe_bwd: the CUDA kernel takes bf16 tokens, got " +
-                                       DescribeBuffer(x.element_type(), x.dimensions()));
-  if (block_m != 128)
-    return ffi::Error::InvalidArgument("mok_moe_bwd: the CUDA kernel needs block_m = 128, got " +
-                                       std::to_string(block_m));
+  if (auto err = CheckCudaKernelArgs("mok_moe_bwd", x, block_m); err.failure()) return err;
   if (auto err = CheckBwdArgs(d, ffi::DataType::BF16, dy, res, out); err.failure()) return err;
   cuda::MoeBwdArgs a{};
   a.T = d.T, a.H = d.H, a.I = d.I, a.E = d.E, a.k = d.k, a.Is = d.Is, a.R = d.R;
@@ -70,40 +65,7 @@ ffi::Error MoeBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
 }  // namespace
 }  // namespace mok
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MokMoeBwdCuda, mok::MoeBwdCuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // dy (T, H) bf16 or f32
-                                  .Arg<xla::ffi::AnyBuffer>()  // x (T, H) bf16
-                                  .Arg<xla::ffi::AnyBuffer>()  // experts (T, k) s32
-                                  .Arg<xla::ffi::AnyBuffer>()  // weights (T, k) f32
-                                  .Arg<xla::ffi::AnyBuffer>()  // w_gate (E, H, I)
-                                  .Arg<xla::ffi::AnyBuffer>()  // w_up (E, H, I)
-                                  .Arg<xla::ffi::AnyBuffer>()  // w_down (E, I, H)
-                                  .Arg<xla::ffi::AnyBuffer>()  // ws_gate (H, Is)
-                                  .Arg<xla::ffi::AnyBuffer>()  // ws_up (H, Is)
-                                  .Arg<xla::ffi::AnyBuffer>()  // ws_down (Is, H)
-                                  .Arg<xla::ffi::AnyBuffer>()  // pos (T, k) s32
-                                  .Arg<xla::ffi::AnyBuffer>()  // offsets (E + 1) s32
-                                  .Arg<xla::ffi::AnyBuffer>()  // rows (R) s32
-                                  .Arg<xla::ffi::AnyBuffer>()  // gu (R, 2I)
-                                  .Arg<xla::ffi::AnyBuffer>()  // y_routed (R, H)
-                                  .Arg<xla::ffi::AnyBuffer>()  // gu_shared (T, 2Is)
-                                  .Ret<xla::ffi::AnyBuffer>()  // dx (T, H)
-                                  .Ret<xla::ffi::AnyBuffer>()  // dweights (T, k) f32
-                                  .Ret<xla::ffi::AnyBuffer>()  // dw_gate (E, H, I)
-                                  .Ret<xla::ffi::AnyBuffer>()  // dw_up (E, H, I)
-                                  .Ret<xla::ffi::AnyBuffer>()  // dw_down (E, I, H)
-                                  .Ret<xla::ffi::AnyBuffer>()  // dws_gate (H, Is)
-                                  .Ret<xla::ffi::AnyBuffer>()  // dws_up (H, Is)
-                                  .Ret<xla::ffi::AnyBuffer>()  // dws_down (Is, H)
-                                  .Ret<xla::ffi::AnyBuffer>()  // scratch dy_routed (R, H)
-                                  .Ret<xla::ffi::AnyBuffer>()  // scratch dgu (R, 2I)
-                                  .Ret<xla::ffi::AnyBuffer>()  // scratch dx_routed (R, H) f32
-                                  .Ret<xla::ffi::AnyBuffer>()  // scratch dgu_shared (T, 2Is)
-                                  .Ret<xla::ffi::AnyBuffer>()  // scratch xs (R, H)
-                                  .Ret<xla::ffi::AnyBuffer>()  // scratch h (R, I)
-                                  .Ret<xla::ffi::AnyBuffer>()  // scratch h_shared (T, Is)
-                                  .Ret<xla::ffi::AnyBuffer>()  // scratch dx_shared (T, H) f32
-                                  .Attr<int64_t>("block_m"),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    MokMoeBwdCuda, mok::MoeBwdCuda,
+    mok::BindMoeBwd(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});

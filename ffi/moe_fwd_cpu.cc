@@ -152,27 +152,4 @@ ffi::Error MoeFwd(ffi::AnyBuffer x, ffi::AnyBuffer experts, ffi::AnyBuffer weigh
 }  // namespace
 }  // namespace mok::cpu
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MokMoeFwdCpu, mok::cpu::MoeFwd,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()  // x (T, H)
-                                  .Arg<xla::ffi::AnyBuffer>()  // experts (T, k) s32
-                                  .Arg<xla::ffi::AnyBuffer>()  // weights (T, k) f32
-                                  .Arg<xla::ffi::AnyBuffer>()  // w_gate (E, H, I)
-                                  .Arg<xla::ffi::AnyBuffer>()  // w_up (E, H, I)
-                                  .Arg<xla::ffi::AnyBuffer>()  // w_down (E, I, H)
-                                  .Arg<xla::ffi::AnyBuffer>()  // ws_gate (H, Is)
-                                  .Arg<xla::ffi::AnyBuffer>()  // ws_up (H, Is)
-                                  .Arg<xla::ffi::AnyBuffer>()  // ws_down (Is, H)
-                                  .Ret<xla::ffi::AnyBuffer>()  // y (T, H)
-                                  .Ret<xla::ffi::AnyBuffer>()  // pos (T, k) s32
-                                  .Ret<xla::ffi::AnyBuffer>()  // offsets (E + 1) s32
-                                  .Ret<xla::ffi::AnyBuffer>()  // rows (R) s32
-                                  .Ret<xla::ffi::AnyBuffer>()  // gu (R, 2I)
-                                  .Ret<xla::ffi::AnyBuffer>()  // y_routed (R, H)
-                                  .Ret<xla::ffi::AnyBuffer>()  // gu_shared (T, 2Is)
-                                  .Ret<xla::ffi::AnyBuffer>()  // scratch xs (R, H)
-                                  .Ret<xla::ffi::AnyBuffer>()  // scratch h (R, I)
-                                  .Ret<xla::ffi::AnyBuffer>()  // scratch h_shared (T, Is)
-                                  .Ret<xla::ffi::AnyBuffer>()  // scratch y_shared (T, H)
-                                  .Ret<xla::ffi::AnyBuffer>()  // scratch layout s32
-                                  .Attr<int64_t>("block_m"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MokMoeFwdCpu, mok::cpu::MoeFwd, mok::BindMoeFwd(xla::ffi::Ffi::Bind()));

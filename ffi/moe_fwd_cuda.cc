@@ -26,12 +26,7 @@ ffi::Error MoeFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer expe
   auto dims = CheckInputs("mok_moe_fwd", in, block_m);
   if (dims.has_error()) return dims.error();
   const MoeDims& d = *dims;
-  if (x.element_type() != ffi::DataType::BF16)
-    return ffi::Error::InvalidArgument("mok_moe_fwd: the CUDA kernel takes bf16 tokens, got " +
-                                       DescribeBuffer(x.element_type(), x.dimensions()));
-  if (block_m != 128)
-    return ffi::Error::InvalidArgument("mok_moe_fwd: the CUDA kernel needs block_m = 128, got " +
-                                       std::to_string(block_m));
+  if (auto err = CheckCudaKernelArgs("mok_moe_fwd", x, block_m); err.failure()) return err;
   if (auto err = CheckFwdResults(d, ffi::DataType::BF16, out); err.failure()) return err;
   cuda::MoeFwdArgs a{};
   a.T = d.T, a.H = d.H, a.I = d.I, a.E = d.E, a.k = d.k, a.Is = d.Is, a.R = d.R;
@@ -60,29 +55,7 @@ ffi::Error MoeFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer expe
 }  // namespace
 }  // namespace mok
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MokMoeFwdCuda, mok::MoeFwdCuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // x (T, H) bf16
-                                  .Arg<xla::ffi::AnyBuffer>()  // experts (T, k) s32
-                                  .Arg<xla::ffi::AnyBuffer>()  // weights (T, k) f32
-                                  .Arg<xla::ffi::AnyBuffer>()  // w_gate (E, H, I)
-                                  .Arg<xla::ffi::AnyBuffer>()  // w_up (E, H, I)
-                                  .Arg<xla::ffi::AnyBuffer>()  // w_down (E, I, H)
-                                  .Arg<xla::ffi::AnyBuffer>()  // ws_gate (H, Is)
-                                  .Arg<xla::ffi::AnyBuffer>()  // ws_up (H, Is)
-                                  .Arg<xla::ffi::AnyBuffer>()  // ws_down (Is, H)
-                                  .Ret<xla::ffi::AnyBuffer>()  // y (T, H) bf16 or f32
-                                  .Ret<xla::ffi::AnyBuffer>()  // pos (T, k) s32
-                                  .Ret<xla::ffi::AnyBuffer>()  // offsets (E + 1) s32
-                                  .Ret<xla::ffi::AnyBuffer>()  // rows (R) s32
-                                  .Ret<xla::ffi::AnyBuffer>()  // gu (R, 2I)
-                                  .Ret<xla::ffi::AnyBuffer>()  // y_routed (R, H)
-                                  .Ret<xla::ffi::AnyBuffer>()  // gu_shared (T, 2Is)
-                                  .Ret<xla::ffi::AnyBuffer>()  // scratch xs (R, H)
-                                  .Ret<xla::ffi::AnyBuffer>()  // scratch h (R, I)
-                                  .Ret<xla::ffi::AnyBuffer>()  // scratch h_shared (T, Is)
-                                  .Ret<xla::ffi::AnyBuffer>()  // scratch y_shared (T, H)
-                                  .Ret<xla::ffi::AnyBuffer>()  // scratch layout s32
-                                  .Attr<int64_t>("block_m"),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    MokMoeFwdCuda, mok::MoeFwdCuda,
+    mok::BindMoeFwd(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});
