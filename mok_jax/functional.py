@@ -227,9 +227,7 @@ def _vary(tree, axes):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _moe_ffi_vjp(out_dtype, config, x, experts, weights, w_gate, w_up, w_down, shared):
-  y, _ = ops.moe_fwd(x, experts, weights, w_gate, w_up, w_down, shared, out_dtype=out_dtype,
-                     block_m=config.block_m)
-  return _vary(y, _varying_axes(x))
+  return _moe_ffi_fwd(out_dtype, config, x, experts, weights, w_gate, w_up, w_down, shared)[0]
 
 
 def _moe_ffi_fwd(out_dtype, config, x, experts, weights, w_gate, w_up, w_down, shared):
