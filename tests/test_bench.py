@@ -34,7 +34,10 @@ OK_FIELDS = ("run_id", "date", "impl", "group", "mode", "status", "device", "pla
 FAILED_STATUSES = ("oom", "error", "unavailable", "timeout", "crashed")
 
 FAKE_TOKAMAX = '''
-"""Test double of tokamax: ragged_dot's signature; the GPU implementations refuse."""
+"""Test double of tokamax: ragged_dot's signature; the GPU implementations refuse. With
+FAKE_TOKAMAX_BWD=fail its backward raises, as tokamax 0.0.17's did for an explicit precision."""
+import os
+
 import jax
 
 __version__ = "0.0.0+test"
@@ -44,8 +47,23 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
                group_offset=None, *, implementation=None, bypass_device_check=None, **kwargs):
   if implementation in ("mosaic", "triton"):
     raise NotImplementedError(f"{implementation} needs a GPU (test double)")
-  return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=precision,
-                            preferred_element_type=preferred_element_type)
+
+  def plain(lhs, rhs):
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=precision,
+                              preferred_element_type=preferred_element_type)
+
+  if os.environ.get("FAKE_TOKAMAX_BWD") != "fail":
+    return plain(lhs, rhs)
+
+  @jax.custom_vjp
+  def product(lhs, rhs):
+    return plain(lhs, rhs)
+
+  def bwd(res, g):
+    raise NotImplementedError("backward not supported here (test double)")
+
+  product.defvjp(lambda lhs, rhs: (plain(lhs, rhs), None), bwd)
+  return product(lhs, rhs)
 '''
 
 
@@ -61,12 +79,17 @@ def _env(extra_path=None):
   return env
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-  tmp = tmp_path_factory.mktemp("bench")
+def _fake_tokamax(tmp):
   fake = tmp / "fake"
   (fake / "tokamax").mkdir(parents=True)
   (fake / "tokamax" / "__init__.py").write_text(textwrap.dedent(FAKE_TOKAMAX))
+  return fake
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("bench")
+  fake = _fake_tokamax(tmp)
   out = tmp / "out" / "bench.jsonl"
   proc = subprocess.run([sys.executable, "-m", "mok_jax.bench", "--tiny", "--out", str(out)],
                         cwd=REPO, env=_env(str(fake)), capture_output=True, text=True,
@@ -130,6 +153,10 @@ def test_tiny_peak_table_and_chart(tiny_run):
   peaks = [r for r in records if r["kind"] == "peak"]
   assert len(peaks) == 1 and peaks[0]["status"] == "ok"
   assert peaks[0]["flops"] == 2 * peaks[0]["n"] ** 3 and peaks[0]["tflops"] > 0
+  how = peaks[0]["timing"]
+  assert how["calls_per_sample"] >= 1 and how["warmup_s"] >= 0.05 and how["warmup_calls"] >= 1
+  assert peaks[0]["ms"]["n"] >= 2
+  assert "back-to-back calls with one sync" in stdout
   assert out.with_suffix(".png").stat().st_size > 1000
   assert out.with_suffix(".txt").read_text().strip() == stdout.strip()
   for heading in ("== fwd ==", "== fwd+bwd ==", "TF/s", "% peak", "vs peer"):
@@ -150,32 +177,116 @@ def test_report_rerenders_a_file(tiny_run, tmp_path):
 
 def _isolated_runner(tmp_path, timeout_s=120.0):
   opts = runner.Options(shapes=list(shapes.TINY), impls="xla", modes=list(shapes.MODES),
-                        dtype="auto", seed=0, skew=0.0, sets=1, warmup=0, reps=1, min_reps=1,
-                        budget_s=1.0, peak_n=8, isolate=True, job_timeout_s=timeout_s,
-                        log_dir=str(tmp_path))
+                        dtype="auto", seed=0, skew=0.0, sets=1, warmup=0, warmup_s=0.0, reps=1,
+                        min_reps=1, budget_s=1.0, peak_n=8, peak_warmup_s=0.0, isolate=True,
+                        mode_timeout_s=timeout_s, log_dir=str(tmp_path))
   run = runner.Runner(opts)
   return run, run._job("moe", "mok_jax:xla", shapes.TINY[0])
+
+
+def _statuses(events):
+  return {e["record"]["mode"]: e["record"]["status"] for e in events}
 
 
 def test_worker_error_becomes_an_error_row(tmp_path):
   run, job = _isolated_runner(tmp_path)
   job["shape"] = {"name": "bad", "T": 0, "H": 1, "I": 1, "E": 1, "k": 1}
-  result, scope = run._execute(job, "bad")
+  events, scope = run._execute(job, "bad")
   assert scope == "worker"
-  assert [r["status"] for r in result["records"]] == ["error", "error"]
-  assert all("T must be a positive int" in r["reason"] for r in result["records"])
+  assert [e["record"]["status"] for e in events] == ["error", "error"]
+  assert all("T must be a positive int" in e["record"]["reason"] for e in events)
+
+
+# A stand-in worker: `python -c FAKE_WORKER JOB.json EVENTS.jsonl`; per mode, BEHAVIOUR (set
+# by the test) says ok (a record), hang (sleeps), die (exits 3) or hang_once (hangs in the
+# first worker, a record in the next).
+FAKE_WORKER = """
+import json, os, sys, time
+job_path, events_path = sys.argv[1:]
+job = json.load(open(job_path))
+behaviour = json.loads(os.environ["FAKE_BEHAVIOUR"])
+first_worker = len(job["modes"]) == len(behaviour)
+out = open(events_path, "a")
+for mode in job["modes"]:
+  out.write(json.dumps({"event": "stage", "mode": mode, "stage": "compiling " + mode}) + "\\n")
+  out.flush()
+  what = behaviour[mode]
+  if what == "hang" or (what == "hang_once" and first_worker):
+    time.sleep(60)
+  if what == "die":
+    print("boom in " + mode, flush=True)
+    sys.exit(3)
+  record = {"mode": mode, "status": "ok", "ms": {"median": 1.0, "min": 1.0, "max": 1.0, "n": 1}}
+  out.write(json.dumps({"event": "record", "record": record, "device": {"platform": "gpu",
+                        "name": "fake"}, "wall_s": 0.1, "env_vars": {}}) + "\\n")
+  out.flush()
+"""
+
+
+def _fake_worker(monkeypatch, **behaviour):
+  monkeypatch.setattr(runner, "WORKER", [sys.executable, "-c", FAKE_WORKER])
+  monkeypatch.setenv("FAKE_BEHAVIOUR", json.dumps({m.replace("_", "+"): b
+                                                   for m, b in behaviour.items()}))
 
 
 def test_dead_or_hung_worker_becomes_a_row(tmp_path, monkeypatch):
   run, job = _isolated_runner(tmp_path, timeout_s=1.0)
   monkeypatch.setattr(runner, "WORKER", [sys.executable, "-c",
                                          "import sys; print('boom'); sys.exit(3)"])
-  result, _ = run._execute(job, "dies")
-  assert [r["status"] for r in result["records"]] == ["crashed", "crashed"]
-  assert "exit code 3: boom" in result["records"][0]["reason"]
+  events, _ = run._execute(job, "dies")
+  assert [e["record"]["status"] for e in events] == ["crashed", "crashed"]
+  assert "exit code 3" in events[0]["record"]["reason"]
+  assert "boom" in events[0]["record"]["reason"]
   monkeypatch.setattr(runner, "WORKER", [sys.executable, "-c", "import time; time.sleep(60)"])
-  result, _ = run._execute(job, "hangs")
-  assert [r["status"] for r in result["records"]] == ["timeout", "timeout"]
+  events, _ = run._execute(job, "hangs")
+  assert [e["record"]["status"] for e in events] == ["timeout", "timeout"]
+
+
+def test_slow_backward_keeps_the_forward(tmp_path, monkeypatch):
+  """fwd streams its record; fwd+bwd hangs: fwd's result stays, fwd+bwd alone times out, with
+  the stage it hung in, after its own timeout (counted from fwd's record)."""
+  _fake_worker(monkeypatch, fwd="ok", fwd_bwd="hang")
+  run, job = _isolated_runner(tmp_path, timeout_s=1.5)
+  seen = []
+  events, _ = run._execute(job, "slow_bwd", seen.append)
+  assert _statuses(events) == {"fwd": "ok", "fwd+bwd": "timeout"}
+  assert seen == events  # each record was handed on as it arrived
+  reason = events[1]["record"]["reason"]
+  assert "1.5 s (--mode-timeout)" in reason and "while compiling fwd+bwd" in reason
+  assert events[0]["record"]["ms"]["median"] == 1.0
+  assert events[1]["mode_wall_s"] >= 1.5
+
+
+def test_a_mode_after_a_killed_one_gets_a_fresh_worker(tmp_path, monkeypatch):
+  _fake_worker(monkeypatch, fwd="hang_once", fwd_bwd="ok")
+  run, job = _isolated_runner(tmp_path, timeout_s=1.5)
+  events, _ = run._execute(job, "slow_fwd")
+  assert _statuses(events) == {"fwd": "timeout", "fwd+bwd": "ok"}
+  _fake_worker(monkeypatch, fwd="ok", fwd_bwd="die")
+  events, _ = run._execute(job, "dies_in_bwd")
+  assert _statuses(events) == {"fwd": "ok", "fwd+bwd": "crashed"}
+  assert "boom in fwd+bwd" in events[1]["record"]["reason"]
+  assert "while compiling fwd+bwd" in events[1]["record"]["reason"]
+
+
+def test_failed_backward_and_good_forward_both_in_json(tmp_path):
+  """End to end through real workers: a peer whose fwd+bwd fails while its fwd runs shows both,
+  each with its own status, in the JSON and the table."""
+  fake = _fake_tokamax(tmp_path)
+  out = tmp_path / "out" / "bench.jsonl"
+  env = dict(_env(str(fake)), FAKE_TOKAMAX_BWD="fail")
+  proc = subprocess.run([sys.executable, "-m", "mok_jax.bench", "--tiny", "--isolate", "yes",
+                         "--impls", "tokamax", "--mode-timeout", "120", "--out", str(out),
+                         "--logs", str(tmp_path / "logs")], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  rows = {r["mode"]: r for r in map(json.loads, out.read_text().splitlines())
+          if r["kind"] == "moe"}
+  assert rows["fwd"]["status"] == "ok" and rows["fwd"]["ms"]["median"] > 0
+  assert rows["fwd"]["mem_scope"] == "worker" and rows["fwd"]["mode_wall_s"] > 0
+  assert rows["fwd+bwd"]["status"] == "error" and "ms" not in rows["fwd+bwd"]
+  assert "backward not supported" in rows["fwd+bwd"]["reason"]
+  assert "error [" in proc.stdout and "backward not supported" in proc.stdout
 
 
 @pytest.mark.parametrize("mode,factor", [("fwd", 1), ("fwd+bwd", 3)])
@@ -209,7 +320,70 @@ def test_timing_summary_and_budget():
   assert stats["p25"] == pytest.approx(1.75) and stats["p75"] == pytest.approx(3.25)
   assert timing.plan_reps(0.3, reps=20, min_reps=5, budget_s=10) == 20
   assert timing.plan_reps(1.0, reps=20, min_reps=5, budget_s=10) == 10
-  assert timing.plan_reps(100.0, reps=20, min_reps=5, budget_s=10) == 5
+  assert timing.plan_reps(5.0, reps=20, min_reps=5, budget_s=10) == 5
+  assert timing.plan_reps(10.0, reps=20, min_reps=5, budget_s=10) == 3  # 3 budgets at most
+  assert timing.plan_reps(100.0, reps=20, min_reps=5, budget_s=10) == 1
+
+
+class _FakeClock:
+  """time.perf_counter for timing.py: advances only when a fake call runs."""
+
+  def __init__(self):
+    self.now = 0.0
+
+  def __call__(self):
+    return self.now
+
+
+@pytest.mark.parametrize("call_s,warmup_calls,timed", [
+    (0.001, 501, 20),  # fast: the first call, then --warmup-s (0.5 s) of calls; all reps
+    (0.3, 4, 6),  # 235 ms-ish: the first call and 3 warm-up calls, reps cut to fit 2 s
+    (20.0, 2, 1),  # a minute-long mode at worst: the first call, one warm-up, one timed call
+])
+def test_repeat_is_bounded_for_slow_calls(monkeypatch, call_s, warmup_calls, timed):
+  clock = _FakeClock()
+  monkeypatch.setattr(timing.time, "perf_counter", clock)
+
+  def run_once(i):
+    del i
+    clock.now += call_s
+    return call_s
+
+  seconds, how = timing.repeat(run_once, n_sets=3, warmup=3, warmup_s=0.5, reps=20,
+                               min_reps=5, budget_s=2.0, prior_s=call_s)
+  assert abs(how["warmup_calls"] - warmup_calls) <= 1 and len(seconds) == timed
+  assert (warmup_calls + timed) * call_s <= 3.5 * 2.0 + 3 * call_s
+
+
+def test_repeat_ignores_a_slow_first_call(monkeypatch):
+  """torch's first call spends seconds on one-time setup: it must not cut warm-up or reps."""
+  clock = _FakeClock()
+  monkeypatch.setattr(timing.time, "perf_counter", clock)
+
+  def run_once(i):
+    del i
+    clock.now += 0.017
+    return 0.017
+
+  seconds, how = timing.repeat(run_once, n_sets=3, warmup=3, warmup_s=0.5, reps=20,
+                               min_reps=5, budget_s=2.0, prior_s=2.5)
+  assert len(seconds) == 20 and how["warmup_s"] >= 0.5
+
+
+def test_batched_syncs_once_per_sample(monkeypatch):
+  clock = _FakeClock()
+  monkeypatch.setattr(timing.time, "perf_counter", clock)
+  syncs = []
+
+  def call(i):
+    clock.now += 0.001
+    return i
+
+  seconds, how = timing.batched(call, syncs.append, n_sets=2, warmup_s=2.0, reps=20, min_reps=5,
+                                budget_s=3.0)
+  assert how["calls_per_sample"] == 50 and how["warmup_s"] >= 2.0
+  assert len(seconds) == 20 and all(s == pytest.approx(0.001) for s in seconds)
+  assert len(syncs) < (how["warmup_calls"] + 20 * 50) / 10  # far fewer syncs than calls
 
 
 def _record(impl, group, ms, check, mode="fwd", status="ok", run_id="r"):

@@ -14,8 +14,9 @@ from mok_jax.bench.shapes import MODES
 
 DEFAULT_OUT = os.path.join("runs", "bench", "bench.jsonl")
 # (full run, --tiny) defaults of the knobs that --tiny changes.
-DEFAULTS = {"warmup": (3, 1), "reps": (20, 3), "min_reps": (5, 2), "budget_s": (10.0, 1.0),
-            "sets": (3, 2), "peak_n": (None, 512)}
+DEFAULTS = {"warmup": (3, 1), "warmup_s": (0.5, 0.0), "reps": (20, 3), "min_reps": (5, 2),
+            "budget_s": (3.0, 1.0), "sets": (3, 2), "peak_n": (None, 512),
+            "peak_warmup_s": (2.0, 0.05)}
 
 
 def parse_args(argv):
@@ -44,22 +45,38 @@ def parse_args(argv):
   p.add_argument("--dtype", choices=DTYPES, default="auto",
                  help="auto: bf16 on a GPU, f32 on a CPU")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--warmup", type=int, default=None, help="untimed calls (default 3; tiny 1)")
+  p.add_argument("--warmup", type=int, default=None,
+                 help="untimed calls per mode after its first (checksummed) one (default 3; "
+                 "tiny 1); fewer when they would take more than half of --budget-s")
+  p.add_argument("--warmup-s", type=float, default=None,
+                 help="and at least this many seconds of untimed calls per mode, so that the "
+                 "clocks have ramped up after the compile (default 0.5; tiny 0)")
   p.add_argument("--reps", type=int, default=None, help="timed calls (default 20; tiny 3)")
   p.add_argument("--min-reps", type=int, default=None,
-                 help="timed calls kept when --budget-s cuts them (default 5; tiny 2)")
+                 help="timed calls kept when --budget-s cuts them (default 5; tiny 2), unless "
+                 "they would take more than 3x --budget-s (then as many as fit, at least 1)")
   p.add_argument("--budget-s", type=float, default=None,
-                 help="seconds of timed calls per mode before cutting --reps (default 10)")
+                 help="seconds of timed calls per mode before cutting --reps (default 3; tiny "
+                 "1); with the warm-up, a mode's timing takes at most about 3.5x this plus "
+                 "three calls, however slow a call is")
   p.add_argument("--sets", type=int, default=None,
                  help="input sets (tokens, routing, dy) the calls rotate through (default 3)")
   p.add_argument("--peak-n", type=int, default=None,
                  help="size n of the dense n^3 matmul peak (default 8192 on a GPU, 1024 on a "
                  "CPU; tiny 512)")
+  p.add_argument("--peak-warmup-s", type=float, default=None,
+                 help="seconds of back-to-back dense matmuls before the peak is timed "
+                 "(default 2; tiny 0.05)")
   p.add_argument("--isolate", choices=("auto", "yes", "no"), default="auto",
                  help="a fresh process per job (yes), or all in this one (no); auto: no with "
                  "--tiny, else yes")
-  p.add_argument("--job-timeout", type=float, default=300.0,
-                 help="seconds before a job's worker is killed and reported as timed out")
+  p.add_argument("--mode-timeout", "--job-timeout", dest="mode_timeout", type=float,
+                 default=90.0,
+                 help="seconds a mode (fwd, fwd+bwd, the peak) may take in its worker, "
+                 "compile and the worker's start-up for the first mode included, before the "
+                 "worker is killed and that mode alone is reported as timed out (the modes "
+                 "already done keep their results, those after it get a fresh worker); "
+                 "default 90")
   p.add_argument("--out", default=DEFAULT_OUT,
                  help=f"JSON lines file to append to (default {DEFAULT_OUT}); the table goes "
                  "next to it as .txt, the chart as .png")
@@ -81,6 +98,8 @@ def parse_args(argv):
     p.error("--skew must be >= 0")
   if min(args.reps, args.min_reps, args.sets, args.peak_n or 1) < 1 or args.warmup < 0:
     p.error("--reps, --min-reps, --sets and --peak-n must be >= 1, --warmup >= 0")
+  if min(args.warmup_s, args.peak_warmup_s) < 0 or args.budget_s <= 0 or args.mode_timeout <= 0:
+    p.error("--warmup-s and --peak-warmup-s must be >= 0, --budget-s and --mode-timeout > 0")
   return args, p
 
 
@@ -126,9 +145,10 @@ def main(argv=None) -> int:
   isolate = {"yes": True, "no": False, "auto": not args.tiny}[args.isolate]
   opts = runner.Options(
       shapes=chosen, impls=args.impls, modes=args.modes, dtype=args.dtype, seed=args.seed,
-      skew=args.skew, sets=args.sets, warmup=args.warmup, reps=args.reps,
-      min_reps=args.min_reps, budget_s=args.budget_s, peak_n=args.peak_n, isolate=isolate,
-      job_timeout_s=args.job_timeout, log_dir=args.logs, partial_path=partial)
+      skew=args.skew, sets=args.sets, warmup=args.warmup, warmup_s=args.warmup_s,
+      reps=args.reps, min_reps=args.min_reps, budget_s=args.budget_s, peak_n=args.peak_n,
+      peak_warmup_s=args.peak_warmup_s, isolate=isolate, mode_timeout_s=args.mode_timeout,
+      log_dir=args.logs, partial_path=partial)
   records = runner.Runner(opts).run()
   derived = report.derive(records)
   report.write_jsonl(derived, args.out)

@@ -1,16 +1,22 @@
-"""One benchmark job: the dense-matmul peak, or one implementation on one shape (every mode).
+"""One benchmark job: the dense-matmul peak, or one implementation on one shape (its modes in
+order).
 
-`run_job(job)` runs in the calling process; `python -m mok_jax.bench.jobs JOB.json RESULT.json`
-runs it in a fresh process (the default on a GPU), so that each job gets its own peak-memory
-counter (JAX cannot reset one), a crash or a poisoned CUDA context takes down only its own row,
-and PyTorch never shares a GPU with JAX's preallocated pool.
+`iter_job(job)` yields the job's events as they happen: {"event": "stage", "mode", "stage"} when
+a mode enters a stage (building inputs, compiling, first call, warm-up and timing), and
+{"event": "record", "record", "device", "wall_s", "env_vars"} as soon as a mode has its result.
+`python -m mok_jax.bench.jobs JOB.json EVENTS.jsonl` runs it in a fresh process (the default on
+a GPU) and appends each event to EVENTS.jsonl, flushed, the moment it happens: the runner reads
+them as they come, applies its timeout to each mode on its own, and keeps the modes that
+finished when a later one hangs, runs out of memory or kills the process. A fresh process per
+job gives it its own peak-memory counter (JAX cannot reset one), lets a crash or a poisoned
+CUDA context take down only its own modes, and keeps PyTorch off JAX's preallocated pool.
 
 A job is a dict: kind ("peak" | "moe"), impl, shape (Shape fields), modes, dtype ("auto" |
-"bf16" | "f32"), seed, skew, sets, warmup, reps, min_reps, budget_s, peak_n (None: by
-platform). The result is {"device": {...}, "records": [one dict per mode], "wall_s",
-"env_vars"}; a record holds status ("ok", "oom", "error", "unavailable") and, when ok, ms
-(median, min, max, p25, p75, mean, n), compile_s and the output's checksums. Whatever fails is
-caught and becomes a record with its reason.
+"bf16" | "f32"), seed, skew, sets, warmup, warmup_s, reps, min_reps, budget_s, peak_n (None: by
+platform), peak_warmup_s. A record holds mode, status ("ok", "oom", "error", "unavailable") and,
+when ok, ms (median, min, max, p25, p75, mean, n), timing (how the samples were taken),
+compile_s and the output's checksums. Whatever fails is caught and becomes a record with its
+reason.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ DTYPES = ("auto", "bf16", "f32")
 # Dense peak sizes when the job leaves peak_n to the platform: 8192^3 saturates an H100/H200
 # (about 1.4 ms in bf16); on a CPU that would take tens of seconds a call.
 PEAK_N_GPU, PEAK_N_CPU = 8192, 1024
+# Defaults of the knobs a job dict written by an older runner may lack.
+JOB_DEFAULTS = {"warmup_s": 0.0, "peak_warmup_s": 0.0}
 
 
 def resolve_dtype(name: str, platform: str) -> str:
@@ -56,24 +64,55 @@ def failed(modes, status: str, reason: str, **extra) -> list[dict]:
   return [dict(mode=mode, status=status, reason=reason, **extra) for mode in modes]
 
 
-def run_job(job: dict) -> dict:
+def stage(mode: str, text: str) -> dict:
+  return {"event": "stage", "mode": mode, "stage": text}
+
+
+def _record_event(raw: dict, device: dict | None) -> dict:
+  return {"event": "record", "record": raw, "device": device}
+
+
+def _env_vars() -> dict:
+  return {k: os.environ[k] for k in env.ENV_VARS if k in os.environ}
+
+
+def iter_job(job: dict):
+  """The job's events, each as it happens (see the module's docstring); every mode of the job
+  gets exactly one record event, in order, unless the process dies."""
+  job = {**JOB_DEFAULTS, **job}
+  modes = list(job.get("modes") or ["dense"])
   start = time.perf_counter()
+  done = []
   try:
     if job["impl"] == "torch._grouped_mm":
       from mok_jax.bench import torch_peer  # pylint: disable=import-outside-toplevel
 
-      result = torch_peer.run(job)
+      source = torch_peer.run(job)
     elif job["kind"] == "peak":
-      result = _run_peak(job)
+      source = _run_peak(job)
     else:
-      result = _run_jax_moe(job)
+      source = _run_jax_moe(job)
+    for event in source:
+      if event["event"] == "record":
+        done.append(event["record"]["mode"])
+        event = dict(event, wall_s=time.perf_counter() - start, env_vars=_env_vars())
+      yield event
   except Exception as exc:  # pylint: disable=broad-except
-    modes = job.get("modes", ["dense"])
-    result = {"device": None, "records": failed(
-        modes, peers.failure_status(exc), peers.describe_exception(exc),
-        detail=traceback.format_exc()[-2000:])}
-  result["wall_s"] = time.perf_counter() - start
-  result["env_vars"] = {k: os.environ[k] for k in env.ENV_VARS if k in os.environ}
+    detail = traceback.format_exc()[-2000:]
+    for raw in failed([m for m in modes if m not in done], peers.failure_status(exc),
+                      peers.describe_exception(exc), detail=detail):
+      yield dict(_record_event(raw, None), wall_s=time.perf_counter() - start,
+                 env_vars=_env_vars())
+
+
+def run_job(job: dict) -> dict:
+  """The whole job at once: {"device", "records", "wall_s", "env_vars"}."""
+  result = {"device": None, "records": [], "wall_s": None, "env_vars": _env_vars()}
+  for event in iter_job(job):
+    if event["event"] == "record":
+      result["device"] = result["device"] or event["device"]
+      result["records"].append(event["record"])
+      result["wall_s"] = event["wall_s"]
   return result
 
 
@@ -90,63 +129,74 @@ def _peak_bytes():
   return stats.get("peak_bytes_in_use") if stats else None
 
 
-def _repeat(job, call):
-  run_once = timing.wall_clock(call, jax.block_until_ready)
-  return timing.repeat(run_once, n_sets=job["sets"], warmup=job["warmup"], reps=job["reps"],
-                       min_reps=job["min_reps"], budget_s=job["budget_s"])
-
-
-def _run_peak(job: dict) -> dict:
-  """Dense n^3 matmul (jnp.dot under jit) in the benchmark's dtype: the ceiling for % of peak."""
+def _run_peak(job: dict):
+  """Dense n^3 matmul (jnp.dot under jit) in the benchmark's dtype: the ceiling for % of peak.
+  Inputs N(0, 1) (all-zero operands would draw less power and clock higher than any real
+  GEMM), rotated over `sets` pairs; timed as back-to-back calls, one synchronisation per sample
+  of about timing.SAMPLE_S seconds, after peak_warmup_s seconds of the same (clocks ramped)."""
   device, dtype = _jax_device_and_dtype(job)
   n = job["peak_n"] or (PEAK_N_GPU if device["platform"] == "gpu" else PEAK_N_CPU)
-  record = {"mode": "dense", "n": n, "dtype": dtype, "flops": 2 * n ** 3}
+  record = {"mode": "dense", "n": n, "dtype": dtype, "flops": 2 * n ** 3,
+            "inputs": "normal(0, 1)", "sets": job["sets"]}
   try:
+    yield stage("dense", "building inputs")
     keys = jax.random.split(jax.random.key(job["seed"]), 2 * job["sets"])
     make = jax.jit(lambda key: jax.random.normal(key, (n, n), jnp.float32).astype(
         _jnp_dtype(dtype)))
     sets = [(make(keys[2 * i]), make(keys[2 * i + 1])) for i in range(job["sets"])]
+    jax.block_until_ready(sets)
+    yield stage("dense", "compiling")
     t0 = time.perf_counter()
     compiled = jax.jit(jnp.dot).lower(*sets[0]).compile()
     record["compile_s"] = time.perf_counter() - t0
-    seconds = _repeat(job, lambda i: compiled(*sets[i]))
-    record.update(status="ok", ms=timing.summarize(seconds))
+    yield stage("dense", "warm-up and timing")
+    seconds, how = timing.batched(lambda i: compiled(*sets[i]), jax.block_until_ready,
+                                  n_sets=job["sets"], warmup_s=job["peak_warmup_s"],
+                                  reps=job["reps"], min_reps=job["min_reps"],
+                                  budget_s=job["budget_s"])
+    record.update(status="ok", ms=timing.summarize(seconds), timing=how)
   except Exception as exc:  # pylint: disable=broad-except
     record.update(status=peers.failure_status(exc), reason=peers.describe_exception(exc))
-  return {"device": device, "records": [record]}
+  yield _record_event(record, device)
 
 
-def _run_jax_moe(job: dict) -> dict:
+def _run_jax_moe(job: dict):
   device, dtype = _jax_device_and_dtype(job)
   shape = Shape(**job["shape"])
   modes = job["modes"]
   common = {"dtype": dtype}
+
+  def fail_all(status, reason):
+    for raw in failed(modes, status, reason, **common):
+      yield _record_event(raw, device)
+
   try:
     layer, note = peers.jax_layer(job["impl"], shape, _jnp_dtype(dtype))
   except peers.Unavailable as exc:
-    return {"device": device, "records": failed(modes, "unavailable", str(exc), **common)}
+    yield from fail_all("unavailable", str(exc))
+    return
   except Exception as exc:  # pylint: disable=broad-except
-    return {"device": device, "records": failed(modes, peers.failure_status(exc),
-                                                peers.describe_exception(exc), **common)}
+    yield from fail_all(peers.failure_status(exc), peers.describe_exception(exc))
+    return
   try:
+    yield stage(modes[0], "building inputs")
     params, sets = inputs.jax_inputs(shape, _jnp_dtype(dtype), job["seed"], job["skew"],
                                      job["sets"])
   except Exception as exc:  # pylint: disable=broad-except
-    return {"device": device, "records": failed(
-        modes, peers.failure_status(exc), "building inputs: " + peers.describe_exception(exc),
-        **common)}
+    yield from fail_all(peers.failure_status(exc),
+                        "building inputs: " + peers.describe_exception(exc))
+    return
   common["load"] = inputs.load_stats(sets[0][1], shape.E)
-  records = []
   for mode in modes:
     record = dict(mode=mode, note=note.get(mode) if isinstance(note, dict) else note, **common)
-    record.update(_time_jax_mode(job, layer, params, sets, mode))
+    record.update((yield from _time_jax_mode(job, layer, params, sets, mode)))
     record["peak_mem_bytes"] = _peak_bytes()
-    records.append(record)
     gc.collect()
-  return {"device": device, "records": records}
+    yield _record_event(record, device)
 
 
-def _time_jax_mode(job, layer, params, sets, mode) -> dict:
+def _time_jax_mode(job, layer, params, sets, mode):
+  """Yields stage events; returns the mode's figures (or its failure)."""
   w_gate, w_up, w_down, shared = params
 
   if mode == "fwd":
@@ -167,18 +217,27 @@ def _time_jax_mode(job, layer, params, sets, mode) -> dict:
     return (*sets[i], w_gate, w_up, w_down, shared)
 
   try:
+    yield stage(mode, "compiling")
     t0 = time.perf_counter()
     compiled = jax.jit(step).lower(*args(0)).compile()
     compile_s = time.perf_counter() - t0
+    yield stage(mode, "first call")
+    t0 = time.perf_counter()
     first = compiled(*args(0))
     jax.block_until_ready(first)
+    first_s = time.perf_counter() - t0
     check = _checksums(first, mode)
     del first
-    seconds = _repeat(job, lambda i: compiled(*args(i)))
+    yield stage(mode, f"warm-up and timing (first call {first_s * 1e3:.1f} ms)")
+    run_once = timing.wall_clock(lambda i: compiled(*args(i)), jax.block_until_ready)
+    seconds, how = timing.repeat(run_once, n_sets=job["sets"], warmup=job["warmup"],
+                                 warmup_s=job["warmup_s"], reps=job["reps"],
+                                 min_reps=job["min_reps"], budget_s=job["budget_s"],
+                                 prior_s=first_s)
   except Exception as exc:  # pylint: disable=broad-except
     return {"status": peers.failure_status(exc), "reason": peers.describe_exception(exc)}
-  return {"status": "ok", "ms": timing.summarize(seconds), "compile_s": compile_s,
-          "check": check}
+  return {"status": "ok", "ms": timing.summarize(seconds), "timing": how,
+          "compile_s": compile_s, "check": check}
 
 
 def _checksums(out, mode) -> dict:
@@ -199,13 +258,21 @@ def _checksums(out, mode) -> dict:
 
 def main(argv: list[str]) -> int:
   if len(argv) != 2:
-    print("usage: python -m mok_jax.bench.jobs JOB.json RESULT.json", file=sys.stderr)
+    print("usage: python -m mok_jax.bench.jobs JOB.json EVENTS.jsonl", file=sys.stderr)
     return 2
   with open(argv[0]) as f:
     job = json.load(f)
-  result = run_job(job)
-  with open(argv[1], "w") as f:
-    json.dump(result, f)
+  start = time.perf_counter()
+  with open(argv[1], "a") as out:
+    for event in iter_job(job):
+      out.write(json.dumps(event) + "\n")
+      out.flush()
+      record = event.get("record") or {}
+      what = event.get("stage") or " ".join(
+          str(record.get(key)) for key in ("status", "reason") if record.get(key))
+      print(f"[{time.perf_counter() - start:7.1f} s] {event.get('mode') or record.get('mode')}: "
+            f"{what}", flush=True)
+    out.write(json.dumps({"event": "end", "wall_s": time.perf_counter() - start}) + "\n")
   return 0
 
 

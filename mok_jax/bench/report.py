@@ -171,11 +171,25 @@ def _header(records: list[dict]) -> list[str]:
         lines.append(f"dense {r.get('dtype')} matmul {r['n']}^3 (jnp.dot, jit): "
                      f"{_fmt_ms(r['ms']['median'])} ms = {r['tflops']:.1f} TFLOP/s, the 100% "
                      "of '% peak'")
+        how = r.get("timing")
+        if how:
+          lines.append(
+              f"  how: {r.get('inputs', 'random')} inputs ({r.get('sets', '?')} pairs in turn); "
+              f"{how['warmup_s']:.1f} s of back-to-back warm-up calls; then the median of "
+              f"{r['ms']['n']} samples,")
+          lines.append(
+              f"  each {how['calls_per_sample']} back-to-back calls with one sync at its end "
+              f"(min-max {_fmt_ms(r['ms']['min'])}-{_fmt_ms(r['ms']['max'])} ms a call)")
       else:
         lines.append(f"dense matmul peak: {STATUS_TEXT.get(r.get('status'), r.get('status'))}"
                      f" ({r.get('reason')})")
   lines.append("TF/s = FLOPs / median; FLOPs = 2*T*k*3*H*I (+ 2*T*3*H*Is shared) per forward, "
                "x3 for fwd+bwd")
+  if any(r.get("kind") == "moe" and r.get("timing") for r in records):
+    lines.append("MoE timing: a sample is one call and a sync (JAX: host clock around the call "
+                 "and block_until_ready; PyTorch: CUDA events),")
+    lines.append("  after --warmup calls and --warmup-s seconds of warm-up (at most half of "
+                 "--budget-s); (n=..): fewer samples than --reps, cut by --budget-s")
   lines.append("vs peer = the best peer's median / this median; compile s = jit lower+compile "
                "(JAX), first call (eager PyTorch)")
   return lines
@@ -188,7 +202,7 @@ def table(records: list[dict]) -> str:
   if not moe:
     return "\n".join(_header(records) + ["(no MoE records)"])
   notes = _Notes()
-  widths = (24, 10, 19, 8, 7, 8, 8, 9)
+  widths = (24, 10, 25, 8, 7, 8, 8, 9)
   head = ("  impl", "median ms", "min-max ms", "TF/s", "% peak", "vs peer", "mem GiB",
           "compile s")
   lines = _header(records)
@@ -218,7 +232,11 @@ def table(records: list[dict]) -> str:
                                      f"disagree with {r.get('check_vs')}: {check}")
         speed = r.get("speedup_vs_best_peer")
         mem = r.get("peak_mem_bytes")
-        cells = (median, f"{_fmt_ms(ms['min'])}-{_fmt_ms(ms['max'])}", _fmt_tf(r["tflops"]),
+        spread = f"{_fmt_ms(ms['min'])}-{_fmt_ms(ms['max'])}"
+        asked = (r.get("timing") or {}).get("reps_asked")
+        if asked and ms.get("n", asked) < asked:
+          spread += f" (n={ms['n']})"
+        cells = (median, spread, _fmt_tf(r["tflops"]),
                  f"{r['pct_of_peak']:.1f}" if r.get("pct_of_peak") is not None else "-",
                  f"{speed:.2f}x" if speed else "-",
                  f"{mem / GIB:.2f}" if mem else "-",
@@ -236,7 +254,8 @@ def table(records: list[dict]) -> str:
     lines.append("")
     lines.append("mem GiB: peak device memory of the run, inputs included"
                  + (" (a fresh process per shape and implementation; fwd+bwd runs after fwd "
-                    "in it, so its peak covers both)" if "worker" in mem_scopes else
+                    "in it, so its peak covers both, unless fwd's worker was killed or died and "
+                    "fwd+bwd got a fresh one)" if "worker" in mem_scopes else
                     " (process-wide high-water mark: JAX cannot reset it)"))
   return "\n".join(lines)
 

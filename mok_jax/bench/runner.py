@@ -5,6 +5,13 @@ Nothing here touches an accelerator: in the isolated mode (the default, except w
 this process never initialises a JAX backend or imports torch, so the GPU is free for each
 worker in turn. The first job measures the dense-matmul peak and tells the platform; the
 implementations to time depend on it.
+
+A worker streams its events (jobs.py) to a file that this process polls. Each mode has its
+own timeout (--mode-timeout), counted from the previous mode's record (from the worker's start
+for the first mode, so it covers imports and inputs too): a mode that runs past it is reported
+as "timeout" with the stage it was in, the worker is killed, and the modes after it get a fresh
+worker. A worker that dies (out of host memory, a segfault) costs only the mode it was in. Every
+record is reported (progress line, .partial.jsonl) the moment it arrives.
 """
 
 from __future__ import annotations
@@ -26,8 +33,9 @@ from mok_jax.bench.shapes import Shape
 # Workers' JAX takes this fraction of GPU memory (JAX's default is 0.75) unless the caller set
 # XLA_PYTHON_CLIENT_MEM_FRACTION: PyTorch's peer may use all of it, so JAX's should be close.
 JAX_MEM_FRACTION = "0.90"
-WORKER = [sys.executable, "-m", "mok_jax.bench.jobs"]  # + JOB.json RESULT.json
+WORKER = [sys.executable, "-m", "mok_jax.bench.jobs"]  # + JOB.json EVENTS.jsonl
 LOG_TAIL_LINES = 25
+POLL_S = 0.2  # how often the events file is read while a worker runs
 
 
 @dataclasses.dataclass
@@ -40,12 +48,14 @@ class Options:
   skew: float
   sets: int
   warmup: int
+  warmup_s: float
   reps: int
   min_reps: int
   budget_s: float
   peak_n: int | None  # None: by platform (jobs.PEAK_N_GPU, jobs.PEAK_N_CPU)
+  peak_warmup_s: float
   isolate: bool
-  job_timeout_s: float
+  mode_timeout_s: float  # per mode of a job, see the module's docstring
   log_dir: str | None = None
   partial_path: str | None = None
 
@@ -76,8 +86,9 @@ class Runner:
     o = self.opts
     return {"kind": kind, "impl": impl, "shape": shape.to_json() if shape else None,
             "modes": list(o.modes) if kind == "moe" else ["dense"], "dtype": o.dtype,
-            "seed": o.seed, "skew": o.skew, "sets": o.sets, "warmup": o.warmup, "reps": o.reps,
-            "min_reps": o.min_reps, "budget_s": o.budget_s, "peak_n": o.peak_n}
+            "seed": o.seed, "skew": o.skew, "sets": o.sets, "warmup": o.warmup,
+            "warmup_s": o.warmup_s, "reps": o.reps, "min_reps": o.min_reps,
+            "budget_s": o.budget_s, "peak_n": o.peak_n, "peak_warmup_s": o.peak_warmup_s}
 
   def _worker_env(self, impl: str) -> dict:
     child = dict(os.environ)
@@ -88,78 +99,144 @@ class Runner:
       child.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_MEM_FRACTION)
     return child
 
-  def _execute(self, job: dict, name: str) -> tuple[dict, str]:
-    """(result, memory scope) of a job, in this process or in a fresh one."""
+  def _execute(self, job: dict, name: str, on_record=None) -> tuple[list[dict], str]:
+    """(record events, memory scope) of a job, in this process or in fresh ones; each record
+    event also goes to on_record(event) the moment it is known."""
+    on_record = on_record or (lambda event: None)
     if not self.opts.isolate:
-      return jobs.run_job(job), "process"
-    return self._execute_isolated(job, name), "worker"
+      events = []
+      for event in jobs.iter_job(job):
+        if event["event"] == "record":
+          events.append(event)
+          on_record(event)
+      return events, "process"
+    return self._execute_isolated(job, name, on_record), "worker"
 
-  def _execute_isolated(self, job: dict, name: str) -> dict:
+  def _execute_isolated(self, job: dict, name: str, on_record) -> list[dict]:
+    """Runs the job's modes in a worker; when the worker times out on a mode or dies in it,
+    that mode becomes a failed record and the modes after it get a fresh worker."""
     stem = os.path.join(self.log_dir, _file_name(name))
-    job_path, result_path, log_path = stem + ".job.json", stem + ".result.json", stem + ".log"
+    log_path = stem + ".log"
+    if os.path.exists(log_path):
+      os.remove(log_path)
+    remaining = list(job["modes"])
+    events = []
+    while remaining:
+      got, failure = self._run_worker(dict(job, modes=remaining), stem, log_path, on_record)
+      events += got
+      done = {event["record"]["mode"] for event in got}
+      remaining = [mode for mode in remaining if mode not in done]
+      if not remaining:
+        break
+      if failure is None and got:
+        continue  # killed just as a mode finished: the next one gets a fresh worker and its time
+      status, reason, wall_s = failure or (
+          "crashed", f"the worker ended without a result for this mode; log: {log_path}", None)
+      raw = jobs.failed([remaining.pop(0)], status, reason, detail=_tail(log_path))[0]
+      event = {"event": "record", "record": raw, "device": None, "wall_s": None,
+               "mode_wall_s": wall_s, "env_vars": None}
+      events.append(event)
+      on_record(event)
+    return events
+
+  def _run_worker(self, job: dict, stem: str, log_path: str, on_record):
+    """(record events, failure) of one worker; failure is None or (status, reason, seconds)
+    for the first mode without a record. None with modes left: the worker was killed as a
+    mode's record arrived, so the mode after it has not had its time."""
+    job_path, events_path = stem + ".job.json", stem + ".events.jsonl"
     with open(job_path, "w") as f:
       json.dump(job, f)
-    if os.path.exists(result_path):
-      os.remove(result_path)
-    cmd = WORKER + [job_path, result_path]
-    start = time.perf_counter()
-    with open(log_path, "w") as log:
-      proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                              env=self._worker_env(job["impl"]), start_new_session=True)
-      try:
-        code = proc.wait(timeout=self.opts.job_timeout_s)
-      except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        return {"device": None, "wall_s": time.perf_counter() - start, "records": jobs.failed(
-            job["modes"], "timeout", f"no result after {self.opts.job_timeout_s:.0f} s "
-            f"(--job-timeout); log: {log_path}", detail=_tail(log_path))}
-    if code == 0 and os.path.exists(result_path):
-      with open(result_path) as f:
-        return json.load(f)
+    if os.path.exists(events_path):
+      os.remove(events_path)
+    timeout = self.opts.mode_timeout_s
+    stream = _EventStream(events_path)
+    got = []
+    mode_stage = "starting the worker (imports, device)"
+    since = time.perf_counter()
+    with open(log_path, "a") as log:
+      log.write(f"== worker for {', '.join(job['modes'])}: {' '.join(WORKER)} {job_path} "
+                f"{events_path}\n")
+      log.flush()
+      proc = subprocess.Popen(WORKER + [job_path, events_path], stdout=log,
+                              stderr=subprocess.STDOUT, env=self._worker_env(job["impl"]),
+                              start_new_session=True)
+      code = None
+      while True:
+        try:
+          code = proc.wait(timeout=POLL_S)
+        except subprocess.TimeoutExpired:
+          pass
+        for event in stream.read():
+          if event.get("event") == "record":
+            now = time.perf_counter()
+            event["mode_wall_s"] = now - since
+            since = now
+            mode_stage = "starting the next mode"
+            got.append(event)
+            on_record(event)
+          elif event.get("event") == "stage":
+            mode_stage = event.get("stage") or mode_stage
+        if code is not None:
+          break
+        if time.perf_counter() - since > timeout:
+          _kill_group(proc)
+          late = [e for e in stream.read() if e.get("event") == "record"]
+          for event in late:  # a record that landed as the worker was being killed
+            event["mode_wall_s"] = time.perf_counter() - since
+            got.append(event)
+            on_record(event)
+          if late:
+            return got, None
+          return got, ("timeout", f"no result after {timeout:g} s (--mode-timeout), "
+                       f"while {mode_stage}; log: {log_path}", time.perf_counter() - since)
+    if code == 0:
+      return got, None
     why = f"exit code {code}"
     if code < 0:
       try:
         why = f"killed by signal {signal.Signals(-code).name}"
       except ValueError:
         why = f"killed by signal {-code}"
-    return {"device": None, "wall_s": time.perf_counter() - start, "records": jobs.failed(
-        job["modes"], "crashed", f"worker {why}: {_last_line(log_path)}; log: {log_path}",
-        detail=_tail(log_path))}
+    return got, ("crashed", f"worker {why} while {mode_stage}: {_last_line(log_path)}; log: "
+                 f"{log_path}", time.perf_counter() - since)
 
   # -- records ---------------------------------------------------------------------------------
 
-  def _emit(self, job: dict, result: dict, mem_scope: str, impl: str, shape: Shape | None):
-    device = result.get("device") or {}
+  def _emit(self, job: dict, event: dict, mem_scope: str | None, impl: str,
+            shape: Shape | None) -> dict:
+    """A record event of a job -> a full record, kept, and appended to the partial file."""
+    raw = event["record"]
+    device = event.get("device") or {}
     if device and job["impl"] != "torch._grouped_mm":
       self.device = self.device or device
-    for raw in result["records"]:
-      record = {
-          "kind": "peak" if job["kind"] == "peak" else "moe",
-          "run_id": self.run_id,
-          "date": self.date,
-          "impl": impl,
-          "group": peers.IMPLS[impl].group if impl in peers.IMPLS else "ceiling",
-          "device": device.get("name") or self.device.get("name"),
-          "platform": device.get("platform") or self.device.get("platform"),
-          "skew": self.opts.skew,
-          "seed": self.opts.seed,
-          "isolated": self.opts.isolate,
-          "mem_scope": mem_scope,
-          "job_wall_s": result.get("wall_s"),
-      }
-      if shape is not None:
-        record.update(shape=shape.name, T=shape.T, H=shape.H, I=shape.I, E=shape.E, k=shape.k,
-                      Is=shape.Is, flops=shape.flops(raw["mode"]))
-      record.update(raw)
-      record.setdefault("status", "error")
-      record.setdefault("dtype", jobs.resolve_dtype(self.opts.dtype,
-                                                    record["platform"] or "gpu"))
-      record.update(self.about)
-      record["worker_env"] = result.get("env_vars")
-      self.records.append(record)
-      if self.opts.partial_path:
-        with open(self.opts.partial_path, "a") as f:
-          f.write(json.dumps(record) + "\n")
+    record = {
+        "kind": "peak" if job["kind"] == "peak" else "moe",
+        "run_id": self.run_id,
+        "date": self.date,
+        "impl": impl,
+        "group": peers.IMPLS[impl].group if impl in peers.IMPLS else "ceiling",
+        "device": device.get("name") or self.device.get("name"),
+        "platform": device.get("platform") or self.device.get("platform"),
+        "skew": self.opts.skew,
+        "seed": self.opts.seed,
+        "isolated": self.opts.isolate,
+        "mem_scope": mem_scope,
+        "job_wall_s": event.get("wall_s"),  # the worker's seconds from its start to this record
+        "mode_wall_s": event.get("mode_wall_s"),  # what --mode-timeout bounds
+    }
+    if shape is not None:
+      record.update(shape=shape.name, T=shape.T, H=shape.H, I=shape.I, E=shape.E, k=shape.k,
+                    Is=shape.Is, flops=shape.flops(raw["mode"]))
+    record.update(raw)
+    record.setdefault("status", "error")
+    record.setdefault("dtype", jobs.resolve_dtype(self.opts.dtype, record["platform"] or "gpu"))
+    record.update(self.about)
+    record["worker_env"] = event.get("env_vars")
+    self.records.append(record)
+    if self.opts.partial_path:
+      with open(self.opts.partial_path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    return record
 
   def _skip_reason(self, impl: str, shape: Shape, platform: str | None) -> str | None:
     """Why a job need not start a worker at all (saves a process start on the GPU)."""
@@ -181,14 +258,20 @@ class Runner:
 
   def run(self) -> list[dict]:
     o = self.opts
+    t_run = time.perf_counter()
     _progress(f"mok_jax.bench run {self.run_id}: {len(o.shapes)} shape(s), modes "
               f"{', '.join(o.modes)}, {'a fresh process per job' if o.isolate else 'in-process'}"
               f"; logs in {self.log_dir}")
     job = self._job("peak", "dense_matmul", None)
-    result, scope = self._execute(job, "peak")
-    self._emit(job, result, scope, "dense_matmul", None)
-    peak = self.records[-1]
+    peak = None
+
+    def on_peak(event):
+      nonlocal peak
+      peak = self._emit(job, event, scope_of(o), "dense_matmul", None)
+
+    self._execute(job, "peak", on_peak)
     platform = self.device.get("platform")
+    peak = peak or {}
     _progress(f"[peak] {self.device.get('name', '?')} ({platform or 'platform unknown'}): "
               f"dense {peak.get('dtype')} {peak.get('n', o.peak_n)}^3 {_brief(peak)}")
     if platform is None:  # the peak worker died: time every backend, each says if it cannot run
@@ -202,18 +285,53 @@ class Runner:
       for impl in impls:
         n += 1
         job = self._job("moe", impl, shape)
+        label = f"[{n}/{total}] {shape.name} {impl}"
+
+        def on_record(event, job=job, impl=impl, shape=shape, label=label):
+          record = self._emit(job, event, scope_of(o), impl, shape)
+          took = record.get("mode_wall_s")
+          _progress(f"{label} {record['mode']}: {_brief(record)}"
+                    + (f" ({took:.0f} s)" if took is not None else ""))
+
         reason = self._skip_reason(impl, shape, platform)
         if reason:
-          result, scope = {"device": None, "records": jobs.failed(
-              o.modes, "unavailable", reason)}, None
+          for raw in jobs.failed(o.modes, "unavailable", reason):
+            self._emit(job, {"record": raw}, None, impl, shape)
+          _progress(f"{label}: n/a ({reason[:100]})")
         else:
-          result, scope = self._execute(job, f"{shape.name}.{impl}")
-        self._emit(job, result, scope, impl, shape)
-        got = self.records[-len(o.modes):]
-        _progress(f"[{n}/{total}] {shape.name} {impl}: "
-                  + " | ".join(f"{r['mode']} {_brief(r)}" for r in got)
-                  + (f" ({result['wall_s']:.0f} s)" if result.get("wall_s") else ""))
+          self._execute(job, f"{shape.name}.{impl}", on_record)
+    _progress(f"run {self.run_id} took {time.perf_counter() - t_run:.0f} s")
     return self.records
+
+
+def scope_of(opts: Options) -> str:
+  return "worker" if opts.isolate else "process"
+
+
+class _EventStream:
+  """Reads the complete lines a worker has appended to its events file since the last read."""
+
+  def __init__(self, path: str):
+    self.path, self.offset, self.rest = path, 0, b""
+
+  def read(self) -> list[dict]:
+    try:
+      with open(self.path, "rb") as f:
+        f.seek(self.offset)
+        data = f.read()
+    except FileNotFoundError:
+      return []
+    self.offset += len(data)
+    lines = (self.rest + data).split(b"\n")
+    self.rest = lines.pop()
+    events = []
+    for line in lines:
+      if line.strip():
+        try:
+          events.append(json.loads(line))
+        except ValueError:  # never written by a worker; skip rather than lose the rest
+          continue
+    return events
 
 
 def _installed(module: str) -> bool:

@@ -4,8 +4,8 @@ sort routes by expert -> grouped gate and up products -> SwiGLU -> grouped down 
 gather each route's row back -> weighted sum over the k routes in f32 (+ shared expert).
 
 It runs in its own process (JAX there only on the CPU, for routing), times each call with CUDA
-events around a synchronised call, and reads the peak of torch's caching allocator, reset
-before each mode. Inputs are bit-identical to the JAX workers' (inputs.py), so output checksums
+events around a synchronised call (warm-up and repetitions as in timing.repeat), and reads the
+peak of torch's caching allocator, reset before each mode. Inputs are bit-identical to the JAX workers' (inputs.py), so output checksums
 compare across frameworks.
 """
 
@@ -14,28 +14,34 @@ from __future__ import annotations
 import time
 
 from mok_jax.bench import inputs, peers, timing
-from mok_jax.bench.jobs import failed, finite_or_text, resolve_dtype
+from mok_jax.bench.jobs import failed, finite_or_text, resolve_dtype, stage
 from mok_jax.bench.shapes import Shape
 
 MASK32 = inputs.MASK32
 DEVICE = "cuda"
 
 
-def run(job: dict) -> dict:
+def run(job: dict):
+  """Yields the job's events, as jobs.iter_job does: stages, and a record per mode."""
   modes = job["modes"]
+
+  def fail_all(status, reason, device=None, **extra):
+    for raw in failed(modes, status, reason, **extra):
+      yield {"event": "record", "record": raw, "device": device}
+
   try:
     import torch  # pylint: disable=import-outside-toplevel
   except BaseException as exc:  # pylint: disable=broad-except
     if isinstance(exc, (KeyboardInterrupt, SystemExit)):
       raise
-    return {"device": None, "records": failed(
-        modes, "unavailable", f"import torch failed: {peers.describe_exception(exc)}")}
+    yield from fail_all("unavailable", f"import torch failed: {peers.describe_exception(exc)}")
+    return
   if not torch.cuda.is_available():
-    return {"device": None, "records": failed(
-        modes, "unavailable", f"torch {torch.__version__} sees no CUDA device")}
+    yield from fail_all("unavailable", f"torch {torch.__version__} sees no CUDA device")
+    return
   if not hasattr(torch, "_grouped_mm"):
-    return {"device": None, "records": failed(
-        modes, "unavailable", f"torch {torch.__version__} has no torch._grouped_mm")}
+    yield from fail_all("unavailable", f"torch {torch.__version__} has no torch._grouped_mm")
+    return
   device = {"platform": "gpu", "name": torch.cuda.get_device_name(0),
             "count": torch.cuda.device_count()}
   dtype = resolve_dtype(job["dtype"], "gpu")
@@ -44,22 +50,21 @@ def run(job: dict) -> dict:
             "torch._grouped_mm runs its per-group fallback for non-bf16 inputs"}
   torch_dtype = {"bf16": torch.bfloat16, "f32": torch.float32}[dtype]
   try:
+    yield stage(modes[0], "building inputs")
     params, sets = _inputs(torch, shape, torch_dtype, job)
   except Exception as exc:  # pylint: disable=broad-except
-    return {"device": device, "records": failed(
-        modes, peers.failure_status(exc), "building inputs: " + peers.describe_exception(exc),
-        **common)}
+    yield from fail_all(peers.failure_status(exc),
+                        "building inputs: " + peers.describe_exception(exc), device, **common)
+    return
   common["load"] = inputs.load_stats(sets[0][1].cpu().numpy(), shape.E)
-  records = []
   for mode in modes:
     record = dict(mode=mode, **common)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    record.update(_time_mode(torch, job, params, sets, mode))
+    record.update((yield from _time_mode(torch, job, params, sets, mode)))
     record["peak_mem_bytes"] = int(torch.cuda.max_memory_allocated())
-    records.append(record)
     torch.cuda.empty_cache()
-  return {"device": device, "records": records}
+    yield {"event": "record", "record": record, "device": device}
 
 
 def layer(torch, x, experts, weights, w_gate, w_up, w_down, shared):
@@ -147,7 +152,8 @@ def _inputs(torch, shape, dtype, job):
   return (w_gate, w_up, w_down, shared), sets
 
 
-def _time_mode(torch, job, params, sets, mode) -> dict:
+def _time_mode(torch, job, params, sets, mode):
+  """Yields stage events; returns the mode's figures (or its failure)."""
   w_gate, w_up, w_down, shared = params
   wrt_params = [w_gate, w_up, w_down] + ([] if shared is None else list(shared))
 
@@ -176,19 +182,22 @@ def _time_mode(torch, job, params, sets, mode) -> dict:
     return start.elapsed_time(end) / 1e3
 
   try:
+    yield stage(mode, "first call")
     t0 = time.perf_counter()
     first = call(0)
     torch.cuda.synchronize()
     first_s = time.perf_counter() - t0
     check = _checksums(torch, first, mode)
     del first
-    seconds = timing.repeat(run_once, n_sets=job["sets"], warmup=job["warmup"],
-                            reps=job["reps"], min_reps=job["min_reps"],
-                            budget_s=job["budget_s"])
+    yield stage(mode, f"warm-up and timing (first call {first_s * 1e3:.1f} ms)")
+    seconds, how = timing.repeat(run_once, n_sets=job["sets"], warmup=job["warmup"],
+                                 warmup_s=job.get("warmup_s", 0.0), reps=job["reps"],
+                                 min_reps=job["min_reps"], budget_s=job["budget_s"],
+                                 prior_s=first_s)
   except Exception as exc:  # pylint: disable=broad-except
     return {"status": peers.failure_status(exc), "reason": peers.describe_exception(exc)}
   # Eager PyTorch compiles nothing: compile_s is its first call (kernel loading, cuBLAS setup).
-  return {"status": "ok", "ms": timing.summarize(seconds), "compile_s": first_s,
+  return {"status": "ok", "ms": timing.summarize(seconds), "timing": how, "compile_s": first_s,
           "check": check}
 
 
