@@ -133,3 +133,37 @@ def bits(a):
   """The bytes of an array, for bitwise comparisons (NaN-safe, -0.0 != 0.0)."""
   a = np.asarray(a)
   return a.dtype, a.shape, a.tobytes()
+
+
+# Shapes of the CUDA tests (T, H, I, E, k, Is): tails of every tile (I % 128 == 64,
+# H % 256 != 0), k = E, T = 1, a shared expert.
+CUDA_SHAPES = (
+    (1, 64, 64, 1, 1, 0),
+    (37, 128, 192, 5, 2, 0),
+    (300, 256, 320, 8, 8, 0),
+    (513, 320, 128, 16, 4, 64),
+    (2048, 512, 256, 64, 6, 192),
+)
+
+CUDA_ROUTINGS = ("one_expert", "empty_experts", "out_of_range", "all_invalid", "duplicates")
+
+
+def cuda_routing(name, T=700, E=8, k=3, seed=1):
+  """(T, k) int64 ids of a named adversarial routing, large enough to span several 128-row
+  tiles per expert."""
+  rng = np.random.default_rng(seed)
+  ids = distinct_experts(rng, T, k, E).astype(np.int64)
+  if name == "one_expert":
+    ids[:] = 5
+  elif name == "empty_experts":
+    ids = ids % 3  # experts 3.. get nothing (duplicates in a row too)
+  elif name == "out_of_range":
+    bad = rng.random(ids.shape) < 0.3
+    ids[bad] = rng.choice([-1, E, 2**31 - 1], size=bad.sum())
+  elif name == "all_invalid":
+    ids[:] = -1
+  elif name == "duplicates":
+    ids[:, 1] = ids[:, 0]
+  else:
+    raise ValueError(name)
+  return ids

@@ -19,7 +19,8 @@ import pytest
 import mok_jax
 from mok_jax import ops
 import oracle
-from cases import BF16, BF16_GRAD_RTOL, BF16_RTOL, assert_close, bits, loss_and_grads, make_case
+from cases import (BF16, BF16_GRAD_RTOL, BF16_RTOL, CUDA_ROUTINGS, CUDA_SHAPES, assert_close,
+                   bits, cuda_routing, loss_and_grads, make_case)
 
 pytestmark = pytest.mark.gpu
 
@@ -57,15 +58,7 @@ def check_against_oracle(case):
   assert_close(y, forward(case, "xla"), BF16_RTOL, "y vs xla backend")
 
 
-# (T, H, I, E, k, Is): tails of every tile (I % 128 == 64, H % 256 != 0), k = E, T = 1.
-SHAPES = [
-    (1, 64, 64, 1, 1, 0),
-    (37, 128, 192, 5, 2, 0),
-    (300, 256, 320, 8, 8, 0),
-    (513, 320, 128, 16, 4, 64),
-    (2048, 512, 256, 64, 6, 192),
-    (4096, 1024, 512, 128, 8, 0),
-]
+SHAPES = CUDA_SHAPES + ((4096, 1024, 512, 128, 8, 0),)
 
 
 @pytest.mark.parametrize("T,H,I,E,k,Is", SHAPES)
@@ -73,33 +66,15 @@ def test_forward_matches_oracle(T, H, I, E, k, Is):
   check_against_oracle(make_case(T, H, I, E, k, Is=Is, dtype=BF16, seed=T))
 
 
-def adversarial(name, T=700, E=8, k=3):
-  rng = np.random.default_rng(1)
-  ids = np.argsort(rng.random((T, E)), axis=1)[:, :k].astype(np.int64)
-  if name == "one_expert":
-    ids[:] = 5
-  elif name == "empty_experts":
-    ids = ids % 3  # experts 3.. get nothing (duplicates in a row too)
-  elif name == "out_of_range":
-    bad = rng.random(ids.shape) < 0.3
-    ids[bad] = rng.choice([-1, E, 2**31 - 1], size=bad.sum())
-  elif name == "all_invalid":
-    ids[:] = -1
-  elif name == "duplicates":
-    ids[:, 1] = ids[:, 0]
-  return ids
-
-
-@pytest.mark.parametrize(
-    "name", ["one_expert", "empty_experts", "out_of_range", "all_invalid", "duplicates"])
+@pytest.mark.parametrize("name", CUDA_ROUTINGS)
 def test_adversarial_routing(name):
-  ids = adversarial(name)
+  ids = cuda_routing(name)
   case = make_case(700, 128, 192, 8, 3, dtype=BF16, seed=3, experts=ids)
   check_against_oracle(case)
 
 
 def test_layout_residuals_are_exact():
-  ids = adversarial("out_of_range", T=3000, E=40, k=5)
+  ids = cuda_routing("out_of_range", T=3000, E=40, k=5)
   case = make_case(3000, 64, 64, 40, 5, dtype=BF16, seed=4, experts=ids.astype(np.int32))
   local = jnp.asarray(np.where((ids >= 0) & (ids < 40), ids, -1), jnp.int32)
   _, res = jax.jit(lambda *a: ops.moe_fwd(*a, out_dtype=BF16, block_m=BLOCK_M))(
