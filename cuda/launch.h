@@ -12,6 +12,7 @@ namespace mok::cuda {
 // passed as void*. R = routed rows; all pointers are device memory owned by XLA.
 struct MoeFwdArgs {
   int64_t T, H, I, E, k, Is, R;
+  int block_m;            // 64 or 128: each expert's routed rows start at a multiple of it
   const void* x;          // (T, H) bf16
   const int32_t* experts; // (T, k) local ids; outside [0, E): no contribution
   const float* weights;   // (T, k)
@@ -39,6 +40,7 @@ struct MoeFwdArgs {
 // One backward call: every gradient from dy and the forward's residuals.
 struct MoeBwdArgs {
   int64_t T, H, I, E, k, Is, R;
+  int block_m;            // the forward's
   const void* dy;         // (T, H) bf16, or f32 when dy_f32 (then Is must be 0)
   bool dy_f32;
   const void* x;          // the forward's inputs, as in MoeFwdArgs

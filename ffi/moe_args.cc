@@ -164,8 +164,9 @@ ffi::Error CheckCudaKernelArgs(const char* target, ffi::AnyBuffer x, int64_t blo
   if (x.element_type() != ffi::DataType::BF16)
     return Invalid(target, "the CUDA kernel takes bf16 tokens, got " +
                                Describe(x.element_type(), x.dimensions()));
-  if (block_m != 128)
-    return Invalid(target, "the CUDA kernel needs block_m = 128, got " + std::to_string(block_m));
+  if (block_m != 64 && block_m != 128)
+    return Invalid(target,
+                   "the CUDA kernel needs block_m = 64 or 128, got " + std::to_string(block_m));
   return ffi::Error::Success();
 }
 

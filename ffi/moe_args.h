@@ -153,7 +153,7 @@ auto BindMoeBwd(Binding binding) {
       .template Attr<int64_t>("block_m");
 }
 
-// What the CUDA kernels add to the contract: bf16 and block_m = 128. `target` names the call.
+// What the CUDA kernels add to the contract: bf16 and block_m = 64 or 128. `target` names the call.
 ffi::Error CheckCudaKernelArgs(const char* target, ffi::AnyBuffer x, int64_t block_m);
 
 }  // namespace mok

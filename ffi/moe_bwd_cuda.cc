@@ -37,6 +37,7 @@ ffi::Error MoeBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
   if (auto err = CheckBwdArgs(d, ffi::DataType::BF16, dy, res, out); err.failure()) return err;
   cuda::MoeBwdArgs a{};
   a.T = d.T, a.H = d.H, a.I = d.I, a.E = d.E, a.k = d.k, a.Is = d.Is, a.R = d.R;
+  a.block_m = static_cast<int>(d.block_m);
   a.dy = dy.untyped_data(), a.dy_f32 = dy.element_type() == ffi::DataType::F32;
   a.x = x.untyped_data(), a.weights = weights.reinterpret_data<float>();
   a.w_gate = w_gate.untyped_data(), a.w_up = w_up.untyped_data();

@@ -30,6 +30,7 @@ ffi::Error MoeFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer expe
   if (auto err = CheckFwdResults(d, ffi::DataType::BF16, out); err.failure()) return err;
   cuda::MoeFwdArgs a{};
   a.T = d.T, a.H = d.H, a.I = d.I, a.E = d.E, a.k = d.k, a.Is = d.Is, a.R = d.R;
+  a.block_m = static_cast<int>(d.block_m);
   a.x = x.untyped_data();
   a.experts = experts.reinterpret_data<int32_t>();
   a.weights = weights.reinterpret_data<float>();

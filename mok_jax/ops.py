@@ -37,7 +37,7 @@ DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 CUDA_DTYPE = jnp.dtype(jnp.bfloat16)
 CUDA_MAX_EXPERTS = 512
 CUDA_DIM_MULTIPLE = 64
-CUDA_BLOCK_M = 128
+CUDA_BLOCK_MS = (64, 128)  # the kernel's tiles are 128 rows; 64 adds half tiles
 
 
 class MoeDims(NamedTuple):
@@ -152,8 +152,8 @@ def cuda_unsupported_reason(platform, dtype, dims: MoeDims, config) -> str | Non
     return f"the CUDA kernel needs H, I and Is divisible by {m}, got {dims.H}, {dims.I}, {dims.Is}"
   if dims.E > CUDA_MAX_EXPERTS:
     return f"the CUDA kernel holds at most {CUDA_MAX_EXPERTS} experts per GPU, got {dims.E}"
-  if config.block_m != CUDA_BLOCK_M:
-    return f"the CUDA kernel needs Config.block_m = {CUDA_BLOCK_M}, got {config.block_m}"
+  if config.block_m not in CUDA_BLOCK_MS:
+    return f"the CUDA kernel needs Config.block_m in {CUDA_BLOCK_MS}, got {config.block_m}"
   return None
 
 
@@ -229,7 +229,7 @@ class Footprint(NamedTuple):
   bwd_scratch: int  # live during the backward call only
 
 
-def footprint(dims: MoeDims, dtype, block_m=CUDA_BLOCK_M) -> Footprint:
+def footprint(dims: MoeDims, dtype, block_m=128) -> Footprint:
   """The memory the FFI targets need, with b = bytes per element of x, R = routed_rows(T k, E,
   block_m) = T k + min(E, T k) (block_m - 1), S = [Is > 0]:
 
