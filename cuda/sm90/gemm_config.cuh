@@ -74,7 +74,9 @@ struct GemmParams {
   CUtensorMap b0;
   CUtensorMap b1;           // kSwiGLU: w_up; K-major B: the matrix for k >= k_split
   const int32_t* offsets;   // (groups + 1) first routed row of each group, multiples of
-                            // kBlockM; null: one group of m_total rows
+                            // block_m; null: one group of m_total rows
+  int block_m;              // kRowsByGroup with offsets: 128, or 64, when a group's last tile
+                            // may be a half tile (its rows past 64 belong to the next group)
   int groups;
   int64_t m_total;          // kRowsByGroup: rows of A and the outputs; kGroupedK: rows (K)
                             // of the single group when offsets is null

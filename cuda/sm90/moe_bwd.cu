@@ -28,6 +28,7 @@ struct MlpGrads {
   const void *x_rows, *gu, *dy_r;
   const void *w_gate, *w_up, *w_down;
   const int32_t* offsets;
+  int block_m;
   int groups;
   int64_t m, H, I;
   void *dgu, *h;      // scratch
@@ -38,7 +39,7 @@ struct MlpGrads {
 const char* LaunchMlpBackward(const MlpGrads& g, cudaStream_t stream) {
   const int H = static_cast<int>(g.H), I = static_cast<int>(g.I);
   GemmParams p{};
-  p.offsets = g.offsets, p.groups = g.groups, p.m_total = g.m;
+  p.offsets = g.offsets, p.block_m = g.block_m, p.groups = g.groups, p.m_total = g.m;
   // dh = dy_r @ w_down^T; B(n, k) = w_down[group * I + n, k].
   p.n = I, p.k = H, p.k_split = H, p.n_split = I;
   p.aux = static_cast<const __nv_bfloat16*>(g.gu), p.out0 = g.dgu, p.out1 = g.h;
@@ -93,14 +94,14 @@ const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
         static_cast<const bf16*>(a.dy), y_routed, a.rows, rows_in_use, a.weights, k, H, dy_r,
         a.dweights);
   }
-  MlpGrads routed{a.xs,   a.gu,   a.dy_routed, a.w_gate,  a.w_up,  a.w_down, a.offsets,
-                  E,      a.R,    a.H,         a.I,       a.dgu,   a.h,      a.dx_routed,
-                  a.dw_gate, a.dw_up, a.dw_down};
+  MlpGrads routed{a.xs,      a.gu,    a.dy_routed, a.w_gate, a.w_up, a.w_down,
+                  a.offsets, a.block_m, E,         a.R,      a.H,    a.I,
+                  a.dgu,     a.h,     a.dx_routed, a.dw_gate, a.dw_up, a.dw_down};
   if (auto err = LaunchMlpBackward(routed, stream)) return err;
   if (a.Is > 0) {
-    MlpGrads shared{a.x,       a.gu_shared, a.dy,       a.ws_gate,  a.ws_up, a.ws_down,
-                    nullptr,   1,           a.T,        a.H,        a.Is,    a.dgu_shared,
-                    a.h_shared, a.dx_shared, a.dws_gate, a.dws_up,  a.dws_down};
+    MlpGrads shared{a.x,          a.gu_shared, a.dy,        a.ws_gate,  a.ws_up, a.ws_down,
+                    nullptr,      128,         1,           a.T,        a.H,     a.Is,
+                    a.dgu_shared, a.h_shared,  a.dx_shared, a.dws_gate, a.dws_up, a.dws_down};
     if (auto err = LaunchMlpBackward(shared, stream)) return err;
   }
   sm90::CombineKernel<float, bf16><<<static_cast<unsigned>(CeilDiv(a.T, 8)), 256, 0, stream>>>(

@@ -21,11 +21,12 @@ const char* Check(cudaError_t e) { return e == cudaSuccess ? nullptr : cudaGetEr
 
 // Expert MLPs over the row groups of `offsets` (null: one group of m rows): gu, h and y.
 const char* LaunchExpertMlp(const void* x_rows, const void* w_gate, const void* w_up,
-                            const void* w_down, const int32_t* offsets, int groups, int64_t m,
+                            const void* w_down, const int32_t* offsets, int block_m,
+                            int groups, int64_t m,
                             int64_t H, int64_t I, void* gu, void* h, void* y,
                             cudaStream_t stream) {
   GemmParams p{};
-  p.offsets = offsets, p.groups = groups, p.m_total = m;
+  p.offsets = offsets, p.block_m = block_m, p.groups = groups, p.m_total = m;
   p.n = static_cast<int>(I), p.k = static_cast<int>(H), p.k_split = p.k, p.n_split = p.n;
   p.out0 = gu, p.out1 = h;
   const Matrix w_gate_m{w_gate, I, groups * H}, w_up_m{w_up, I, groups * H};
@@ -61,7 +62,7 @@ const char* LaunchMoeFwd(const MoeFwdArgs& a, cudaStream_t stream) {
   sm90::LayoutRankKernel<<<chunks, sm90::kLayoutChunk, rank_smem, stream>>>(
       a.experts, routes, E, a.pos, a.layout);
   sm90::LayoutOffsetsKernel<<<1, 1024, 0, stream>>>(a.layout, static_cast<int>(chunks), E,
-                                                    GemmConfig::kBlockM, a.offsets);
+                                                    a.block_m, a.offsets);
   sm90::LayoutPositionsKernel<<<chunks, sm90::kLayoutChunk, 0, stream>>>(
       a.experts, routes, E, a.layout, a.offsets, a.pos, a.rows);
   // 2. Gather the routed token rows (zeros for padding rows).
@@ -69,13 +70,13 @@ const char* LaunchMoeFwd(const MoeFwdArgs& a, cudaStream_t stream) {
       static_cast<const uint4*>(a.x), a.rows, a.offsets + E, k, static_cast<int>(a.H / 8),
       static_cast<uint4*>(a.xs));
   // 3. Expert MLPs: gu and h = silu(g) * u, then y_routed = h @ w_down.
-  if (auto err = LaunchExpertMlp(a.xs, a.w_gate, a.w_up, a.w_down, a.offsets, E, a.R, a.H, a.I,
-                                 a.gu, a.h, a.y_routed, stream))
+  if (auto err = LaunchExpertMlp(a.xs, a.w_gate, a.w_up, a.w_down, a.offsets, a.block_m, E,
+                                 a.R, a.H, a.I, a.gu, a.h, a.y_routed, stream))
     return err;
   // 4. The shared expert: one group of T rows read straight from x.
   if (a.Is > 0) {
-    if (auto err = LaunchExpertMlp(a.x, a.ws_gate, a.ws_up, a.ws_down, nullptr, 1, a.T, a.H,
-                                   a.Is, a.gu_shared, a.h_shared, a.y_shared, stream))
+    if (auto err = LaunchExpertMlp(a.x, a.ws_gate, a.ws_up, a.ws_down, nullptr, 128, 1, a.T,
+                                   a.H, a.Is, a.gu_shared, a.h_shared, a.y_shared, stream))
       return err;
   }
   // 5. Combine.
