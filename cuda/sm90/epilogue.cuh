@@ -11,16 +11,6 @@
 
 namespace mok::sm90 {
 
-// Staging rows are padded by 16 bytes: the 8 rows a warp's accumulator store touches then fall
-// in distinct banks (row pitch = 4 banks mod 32).
-constexpr int kStagePad = 8;  // bf16
-constexpr int kStagePitchY = GemmConfig::kBlockN + kStagePad;      // (64, 256) tiles
-constexpr int kStagePitchH = GemmConfig::kBlockN / 2 + kStagePad;  // (64, 128) tiles
-constexpr int kWarpgroupRows = GemmConfig::kBlockM / GemmConfig::kConsumerWarpgroups;
-constexpr int kStageElems = kWarpgroupRows * (kStagePitchY + kStagePitchH);
-static_assert(2 * kStageElems * 2 <= sizeof(GemmSmem::a) + sizeof(GemmSmem::b),
-              "the staging tiles must fit in the pipeline stages they reuse");
-
 __device__ __forceinline__ float Sigmoid(float g) { return 1.0f / (1.0f + __expf(-g)); }
 __device__ __forceinline__ float Silu(float g) { return g / (1.0f + __expf(-g)); }
 
@@ -33,46 +23,58 @@ __device__ __forceinline__ float2 UnpackBf16(uint32_t v) {
   return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&v));
 }
 
-// Copies `chunks` 16-byte chunks per row of a (64, pitch) staging tile to global rows
+// Where accumulator value v of a consumer thread sits in its warpgroup's 64-row slab (the
+// wgmma m64nNk16 D layout): row AccRow(t) + AccRowStep(v), columns AccCol(t) + AccColStep(v)
+// and the one after. Spelled out so that every address is one per-thread base plus a
+// compile-time offset: the persistent tile loop then keeps no per-value addresses live.
+__device__ __forceinline__ int AccRow(int wg_thread) {
+  return wg_thread / 32 * 16 + wg_thread % 32 / 4;
+}
+__device__ __forceinline__ int AccCol(int wg_thread) { return wg_thread % 4 * 2; }
+constexpr int AccRowStep(int v) { return 8 * ((v >> 1) & 1); }
+constexpr int AccColStep(int v) { return 8 * (v >> 2); }
+
+// Copies `chunks` 16-byte chunks per row of a (64, kStagePitch) staging tile to global rows
 // dst(row) + col(c), skipping rows past the output and chunks past the matrix edge.
 template <class Dst>
-__device__ __forceinline__ void CopyOut(const bf16_t* stage, int pitch, int chunks,
-                                        int64_t row0, int64_t m_end, int wg_thread, Dst dst) {
+__device__ __forceinline__ void CopyOut(const bf16_t* stage, int chunks, int64_t row0,
+                                        int64_t m_end, int wg_thread, Dst dst) {
   for (int i = wg_thread; i < kWarpgroupRows * chunks; i += 128) {
     const int r = i / chunks, c = i % chunks;
     if (row0 + r >= m_end) continue;
     __nv_bfloat16* out = dst(row0 + r, c);
-    if (out) {
-      *reinterpret_cast<uint4*>(out) = *reinterpret_cast<const uint4*>(stage + r * pitch + c * 8);
-    }
+    if (out) *reinterpret_cast<uint4*>(out) = *reinterpret_cast<const uint4*>(
+                 stage + r * kStagePitch + c * 8);
   }
 }
 
 // bf16 tiles (kStore, kSwiGLU) through the padded staging tile.
-template <class Kind, class Accum, class Coord>
+template <class Kind, class Accum>
 __device__ __forceinline__ void StageAndStore(const GemmParams& p, const GemmTile& tile,
                                               GemmSmem& smem, int thread, const Accum& acc,
-                                              const Coord& coord, int64_t group_base) {
+                                              int64_t group_base) {
   using namespace cute;
   using C = GemmConfig;
   constexpr Epilogue kEpi = Kind::kEpi;
   const int wg = thread / 128, wg_thread = thread % 128;
-  // Both warpgroups must be done with the pipeline stages before either overwrites them.
-  NamedBarrierSync(1, 256);
-  bf16_t* stage = &smem.a[0][0] + wg * kStageElems;  // (64, kStagePitchY) [+ (64, kStagePitchH)]
+  const uint32_t wg_barrier = 2 + wg;
+  bf16_t* stage = smem.stage[wg];
+  bf16_t* slot = stage + AccRow(wg_thread) * kStagePitch + AccCol(wg_thread);
   const int64_t row0 = tile.m0 + wg * kWarpgroupRows;
+  // Each staging pass starts once the warpgroup's previous copy-out has read the tile.
+  NamedBarrierSync(wg_barrier, 128);
   if constexpr (kEpi == Epilogue::kStore) {
     CUTE_UNROLL
     for (int v = 0; v < 128; v += 2) {
-      const int m = get<0>(coord(v)) - wg * kWarpgroupRows, n = get<1>(coord(v));
-      *reinterpret_cast<uint32_t*>(stage + m * kStagePitchY + n) = PackBf16(acc(v), acc(v + 1));
+      *reinterpret_cast<uint32_t*>(slot + AccRowStep(v) * kStagePitch + AccColStep(v)) =
+          PackBf16(acc(v), acc(v + 1));
     }
-    NamedBarrierSync(2 + wg, 128);
+    NamedBarrierSync(wg_barrier, 128);
     const int64_t col0 = int64_t{tile.n_tile} * C::kBlockN;
     auto* out0 = static_cast<__nv_bfloat16*>(p.out0) + group_base;
     auto* out1 = static_cast<__nv_bfloat16*>(p.out1) + group_base;
     // 8-column chunks never straddle n_split (a multiple of 64).
-    CopyOut(stage, kStagePitchY, C::kBlockN / 8, row0, tile.m_end, wg_thread,
+    CopyOut(stage, C::kBlockN / 8, row0, tile.m_end, wg_thread,
             [&](int64_t row, int c) -> __nv_bfloat16* {
               const int64_t col = col0 + c * 8;
               if (col >= p.n) return nullptr;
@@ -82,28 +84,32 @@ __device__ __forceinline__ void StageAndStore(const GemmParams& p, const GemmTil
   } else {
     static_assert(kEpi == Epilogue::kSwiGLU);
     // Accumulator columns [0, 128) are gate, [128, 256) up: value v + 64 is the up partner of
-    // gate value v (the atom's values step 8 columns every 4).
-    bf16_t* stage_h = stage + kWarpgroupRows * kStagePitchY;
+    // gate value v (the atom's values step 8 columns every 4). Two passes through the staging
+    // tile: [g | u] to gu, then silu(g) * u to h.
     CUTE_UNROLL
     for (int v = 0; v < 64; v += 2) {
-      const int m = get<0>(coord(v)) - wg * kWarpgroupRows, n = get<1>(coord(v));
-      const float g0 = acc(v), g1 = acc(v + 1), u0 = acc(v + 64), u1 = acc(v + 65);
-      *reinterpret_cast<uint32_t*>(stage + m * kStagePitchY + n) = PackBf16(g0, g1);
-      *reinterpret_cast<uint32_t*>(stage + m * kStagePitchY + n + 128) = PackBf16(u0, u1);
-      *reinterpret_cast<uint32_t*>(stage_h + m * kStagePitchH + n) =
-          PackBf16(Silu(g0) * u0, Silu(g1) * u1);
+      bf16_t* at = slot + AccRowStep(v) * kStagePitch + AccColStep(v);
+      *reinterpret_cast<uint32_t*>(at) = PackBf16(acc(v), acc(v + 1));
+      *reinterpret_cast<uint32_t*>(at + 128) = PackBf16(acc(v + 64), acc(v + 65));
     }
-    NamedBarrierSync(2 + wg, 128);
+    NamedBarrierSync(wg_barrier, 128);
     const int64_t col0 = int64_t{tile.n_tile} * (C::kBlockN / 2);
     auto* gu = static_cast<__nv_bfloat16*>(p.out0);
     auto* h = static_cast<__nv_bfloat16*>(p.out1);
     // gu row: 16 chunks of gate columns, then 16 of up columns (at +n in the (rows, 2n) gu).
-    CopyOut(stage, kStagePitchY, C::kBlockN / 8, row0, tile.m_end, wg_thread,
+    CopyOut(stage, C::kBlockN / 8, row0, tile.m_end, wg_thread,
             [&](int64_t row, int c) -> __nv_bfloat16* {
               const int64_t col = col0 + (c % 16) * 8;
               return col < p.n ? gu + row * 2 * p.n + (c < 16 ? 0 : p.n) + col : nullptr;
             });
-    CopyOut(stage_h, kStagePitchH, C::kBlockN / 16, row0, tile.m_end, wg_thread,
+    NamedBarrierSync(wg_barrier, 128);
+    CUTE_UNROLL
+    for (int v = 0; v < 64; v += 2) {
+      *reinterpret_cast<uint32_t*>(slot + AccRowStep(v) * kStagePitch + AccColStep(v)) =
+          PackBf16(Silu(acc(v)) * acc(v + 64), Silu(acc(v + 1)) * acc(v + 65));
+    }
+    NamedBarrierSync(wg_barrier, 128);
+    CopyOut(stage, C::kBlockN / 16, row0, tile.m_end, wg_thread,
             [&](int64_t row, int c) -> __nv_bfloat16* {
               const int64_t col = col0 + c * 8;
               return col < p.n ? h + row * p.n + col : nullptr;
@@ -118,10 +124,11 @@ __device__ __forceinline__ void StoreTile(const GemmParams& p, const GemmTile& t
   using namespace cute;
   using C = GemmConfig;
   constexpr Epilogue kEpi = Kind::kEpi;
-  typename GemmLayouts<Kind>::TiledMma mma;
-  Tensor coord = mma.get_thread_slice(thread).partition_C(
-      make_identity_tensor(Shape<Int<C::kBlockM>, Int<C::kBlockN>>{}));  // (MMA, 1, 1) -> (m, n)
-  static_assert(decltype(size(coord))::value == 128, "one 64 x 256 wgmma atom per thread");
+  static_assert(decltype(size(acc))::value == 128, "one 64 x 256 wgmma atom per thread");
+  const int wg_thread = thread % 128;
+  // This thread's first row and column of the tile; value v adds AccRowStep / AccColStep.
+  const int64_t row_base = tile.m0 + thread / 128 * kWarpgroupRows + AccRow(wg_thread);
+  const int col_base = tile.n_tile * C::kBlockN + AccCol(wg_thread);
   const int64_t group_base =
       Kind::kSched == Schedule::kGroupedK ? tile.group * p.group_stride : 0;
 
@@ -129,8 +136,8 @@ __device__ __forceinline__ void StoreTile(const GemmParams& p, const GemmTile& t
     float* out = static_cast<float*>(p.out0) + group_base;
     CUTE_UNROLL
     for (int v = 0; v < 128; v += 2) {  // values v, v + 1: columns n, n + 1 of one row
-      const int64_t row = tile.m0 + get<0>(coord(v));
-      const int col = tile.n_tile * C::kBlockN + get<1>(coord(v));
+      const int64_t row = row_base + AccRowStep(v);
+      const int col = col_base + AccColStep(v);
       if (row < tile.m_end && col < p.n)
         *reinterpret_cast<float2*>(out + row * p.n_split + col) = make_float2(acc(v), acc(v + 1));
     }
@@ -140,8 +147,8 @@ __device__ __forceinline__ void StoreTile(const GemmParams& p, const GemmTile& t
     auto* h = static_cast<__nv_bfloat16*>(p.out1);
     CUTE_UNROLL
     for (int v = 0; v < 128; v += 2) {
-      const int64_t row = tile.m0 + get<0>(coord(v));
-      const int col = tile.n_tile * C::kBlockN + get<1>(coord(v));
+      const int64_t row = row_base + AccRowStep(v);
+      const int col = col_base + AccColStep(v);
       if (row >= tile.m_end || col >= p.n) continue;
       const float2 g = UnpackBf16(*reinterpret_cast<const uint32_t*>(p.aux + row * two_n + col));
       const float2 u =
@@ -158,7 +165,7 @@ __device__ __forceinline__ void StoreTile(const GemmParams& p, const GemmTile& t
       *reinterpret_cast<uint32_t*>(h + row * p.n + col) = PackBf16(silu0 * u.x, silu1 * u.y);
     }
   } else {
-    StageAndStore<Kind>(p, tile, smem, thread, acc, coord, group_base);
+    StageAndStore<Kind>(p, tile, smem, thread, acc, group_base);
   }
 }
 

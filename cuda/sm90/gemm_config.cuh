@@ -13,11 +13,14 @@ namespace mok::sm90 {
 struct GemmConfig {
   // NOTES: a 128 x 256 tile over two consumer warpgroups (64 x 256 each, one
   // wgmma.m64n256k16 per k16 step) keeps 128 f32 accumulators per thread and reads 48 KB of
-  // shared memory per 64-deep k-step; four stages (192 KB) cover TMA latency.
+  // shared memory per 64-deep k-step. Three stages (144 KB) leave room for a separate epilogue
+  // staging tile (66 KB), so that the producer fills the next tile's stages during an epilogue.
   static constexpr int kBlockM = 128;
   static constexpr int kBlockN = 256;
   static constexpr int kBlockK = 64;
-  static constexpr int kStages = 4;
+  static constexpr int kStages = 3;
+  // Groups of a kRowsByGroup or kGroupedK launch, whose offsets are copied to shared memory.
+  static constexpr int kMaxGroups = 512;
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
   // setmaxnreg: the producer needs few registers; consumers hold the accumulators.
@@ -86,6 +89,7 @@ struct GemmParams {
   int k_split;              // K-major B: b0 serves k < k_split, b1 the rest (at k - k_split)
   int n_split;              // kStore*: column split and row pitch of the outputs
   int n_tiles, m_tiles;
+  int64_t tiles;            // linear tiles (LinearTiles); the persistent grid strides over them
   int64_t group_stride;     // kGroupedK: elements between consecutive groups' outputs
   void* out0;
   void* out1;

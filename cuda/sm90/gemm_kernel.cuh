@@ -1,5 +1,6 @@
-// The grouped expert GEMM kernel: warp-specialised (one producer warpgroup, two consumer
-// warpgroups), TMA -> 4-stage mbarrier ring -> wgmma, then an epilogue. One CTA per tile.
+// The grouped expert GEMM kernel: persistent and warp-specialised (one producer warpgroup, two
+// consumer warpgroups), TMA -> mbarrier ring -> wgmma, then an epilogue. While the consumers
+// run a tile's epilogue, the producer is already loading the next tile's stages.
 #pragma once
 
 #include "epilogue.cuh"
@@ -17,14 +18,16 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     GroupedGemmKernel(const __grid_constant__ GemmParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using C = GemmConfig;
-  const GemmTile tile = ScheduleTile<Kind::kSched>(p);
-  if (!tile.valid) return;  // a row block past the rows in use: uniform over the CTA
-
   extern __shared__ uint8_t smem_raw[];
   // 128-byte swizzling is a function of address bits 4-9: stages start 1024-byte aligned.
   GemmSmem& smem = *reinterpret_cast<GemmSmem*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   const int warpgroup = threadIdx.x / 128;
+  const int32_t* offsets = nullptr;
+  if (p.offsets) {
+    for (int g = threadIdx.x; g <= p.groups; g += C::kThreads) smem.offsets[g] = p.offsets[g];
+    offsets = smem.offsets;
+  }
   if (threadIdx.x == 0) {
     PrefetchTmaDescriptor(&p.a);
     PrefetchTmaDescriptor(&p.b0);
@@ -38,17 +41,29 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
   }
   __syncthreads();
 
+  // Both roles walk the same tiles in the same order; `it` keeps their rings in step.
+  uint32_t it = 0;
   if (warpgroup == 0) {
     SetMaxRegistersDec<C::kProducerRegs>();
-    if (threadIdx.x == 0) LoadTile<Kind>(p, tile, smem);
+    if (threadIdx.x != 0) return;
+    for (int64_t linear = blockIdx.x; linear < p.tiles; linear += gridDim.x) {
+      const GemmTile tile = ScheduleTile<Kind::kSched>(p, offsets, linear);
+      if (tile.valid) LoadTile<Kind>(p, tile, smem, it);
+    }
   } else {
     SetMaxRegistersInc<C::kConsumerRegs>();
     const int thread = threadIdx.x - 128;
-    auto acc = cute::partition_fragment_C(
-        typename GemmLayouts<Kind>::TiledMma{},
-        cute::Shape<cute::Int<C::kBlockM>, cute::Int<C::kBlockN>>{});
-    MmaTile<Kind>(tile, smem, thread, acc);
-    StoreTile<Kind>(p, tile, smem, thread, acc);
+#pragma unroll 1
+    for (int64_t linear = blockIdx.x; linear < p.tiles; linear += gridDim.x) {
+      const GemmTile tile = ScheduleTile<Kind::kSched>(p, offsets, linear);
+      if (!tile.valid) continue;
+      auto acc = cute::partition_fragment_C(
+          typename GemmLayouts<Kind>::TiledMma{},
+          cute::Shape<cute::Int<C::kBlockM>, cute::Int<C::kBlockN>>{});
+      const bool idle = tile.half && warpgroup == 2;
+      MmaTile<Kind>(tile, smem, thread, idle, acc, it);
+      if (!idle) StoreTile<Kind>(p, tile, smem, thread, acc);
+    }
   }
 #endif
 }

@@ -1,6 +1,7 @@
 // Host side of a grouped GEMM launch: TMA descriptors for the operands, grid, shared memory.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <mutex>
 
@@ -38,13 +39,14 @@ const char* LaunchGemm(GemmParams p, const Matrix& a, const Matrix& b0, const Ma
   }
   const int cols_per_tile = Kind::kEpi == Epilogue::kSwiGLU ? C::kBlockN / 2 : C::kBlockN;
   p.n_tiles = static_cast<int>(CeilDiv(p.n, cols_per_tile));
-  int64_t ctas;
-  if constexpr (Kind::kSched == Schedule::kRowsByGroup) {
-    ctas = CeilDiv(p.m_total, C::kBlockM) * p.n_tiles;
-  } else {
-    p.m_tiles = static_cast<int>(CeilDiv(p.m, C::kBlockM));
-    ctas = int64_t{p.groups} * p.m_tiles * p.n_tiles;
-  }
+  if (Kind::kSched == Schedule::kGroupedK) p.m_tiles = static_cast<int>(CeilDiv(p.m, C::kBlockM));
+  if (p.offsets && p.groups > C::kMaxGroups) return "too many groups for one grouped GEMM";
+  if (p.offsets && p.block_m != 64 && p.block_m != C::kBlockM) return "block_m must be 64 or 128";
+  p.tiles = LinearTiles<Kind::kSched>(p);
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+    return "could not read the GPU's multiprocessor count";
   static std::once_flag once;
   static cudaError_t attr = cudaSuccess;
   std::call_once(once, [] {
@@ -53,7 +55,9 @@ const char* LaunchGemm(GemmParams p, const Matrix& a, const Matrix& b0, const Ma
                                 static_cast<int>(kGemmSmemBytes));
   });
   if (attr != cudaSuccess) return cudaGetErrorString(attr);
-  if (ctas == 0) return nullptr;
+  if (p.tiles == 0) return nullptr;
+  // Persistent: one CTA per SM (the shared memory allows no second one).
+  const int64_t ctas = std::min<int64_t>(p.tiles, sms);
   GroupedGemmKernel<Kind>
       <<<static_cast<unsigned>(ctas), C::kThreads, kGemmSmemBytes, stream>>>(p);
   return nullptr;

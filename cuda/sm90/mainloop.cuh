@@ -42,26 +42,37 @@ struct GemmLayouts {
       cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
 };
 
+// Epilogue staging rows are padded by 16 bytes: the 8 rows a warp's accumulator store touches
+// then fall in distinct banks (row pitch = 4 banks mod 32).
+constexpr int kStagePad = 8;  // bf16
+constexpr int kStagePitch = GemmConfig::kBlockN + kStagePad;
+constexpr int kWarpgroupRows = GemmConfig::kBlockM / GemmConfig::kConsumerWarpgroups;
+
 struct alignas(1024) GemmSmem {
   bf16_t a[GemmConfig::kStages][GemmConfig::kBlockM * GemmConfig::kBlockK];
   bf16_t b[GemmConfig::kStages][GemmConfig::kBlockN * GemmConfig::kBlockK];
+  // One (64, kStagePitch) epilogue staging tile per consumer warpgroup, apart from the stages
+  // that the producer is already filling with the next tile.
+  bf16_t stage[GemmConfig::kConsumerWarpgroups][kWarpgroupRows * kStagePitch];
+  int32_t offsets[GemmConfig::kMaxGroups + 1];
   uint64_t full[GemmConfig::kStages];   // TMA bytes landed
   uint64_t empty[GemmConfig::kStages];  // both consumer warpgroups done reading
 };
 
-// Producer: one thread issues every TMA of the tile.
+// Producer: one thread issues every TMA of the tile. `it` counts the k-steps of all earlier
+// tiles of this CTA: the ring position and phase continue across tiles.
 template <class Kind>
 __device__ __forceinline__ void LoadTile(const GemmParams& p, const GemmTile& tile,
-                                         GemmSmem& smem) {
+                                         GemmSmem& smem, uint32_t& it) {
   using C = GemmConfig;
   constexpr int kBox = C::kBoxInner * C::kBlockK;  // elements of one MN-major box
   const int n0 = tile.n_tile * C::kBlockN;
   // First row of B's k-tiles: the group's weights (kRowsByGroup) or its routed rows.
   const int64_t b_row0 = Kind::kSched == Schedule::kRowsByGroup
                              ? int64_t{tile.group} * p.k : tile.k_begin;
-  for (int kt = 0; kt < tile.num_k; ++kt) {
-    const int s = kt % C::kStages;
-    const uint32_t round = kt / C::kStages;
+  for (int kt = 0; kt < tile.num_k; ++kt, ++it) {
+    const int s = it % C::kStages;
+    const uint32_t round = it / C::kStages;
     const int kk = kt * C::kBlockK;
     BarrierWait(&smem.empty[s], (round & 1) ^ 1);  // the first round finds every stage free
     BarrierArriveExpectTx(&smem.full[s], C::kStageBytes);
@@ -95,11 +106,13 @@ __device__ __forceinline__ void LoadTile(const GemmParams& p, const GemmTile& ti
   }
 }
 
-// Consumers: accumulate the (128, 256) tile; each warpgroup owns 64 rows of it.
-// `thread` is the index among the 256 consumer threads.
+// Consumers: accumulate the (128, 256) tile; each warpgroup owns 64 rows of it. `thread` is the
+// index among the 256 consumer threads; `it` as in LoadTile. An idle warpgroup (the second one
+// of a half tile) multiplies nothing but still releases each stage after it has landed, so that
+// both warpgroups' arrivals on `empty` stay in step.
 template <class Kind, class Accum>
 __device__ __forceinline__ void MmaTile(const GemmTile& tile, GemmSmem& smem, int thread,
-                                        Accum& acc) {
+                                        bool idle, Accum& acc, uint32_t& it) {
   using namespace cute;
   using C = GemmConfig;
   using L = GemmLayouts<Kind>;
@@ -114,10 +127,19 @@ __device__ __forceinline__ void MmaTile(const GemmTile& tile, GemmSmem& smem, in
     return;
   }
   const bool releaser = thread % 128 == 0;
+  if (idle) {
+    for (int kt = 0; kt < tile.num_k; ++kt, ++it) {
+      const int s = it % C::kStages;
+      BarrierWait(&smem.full[s], (it / C::kStages) & 1);
+      if (releaser) BarrierArrive(&smem.empty[s]);
+    }
+    return;
+  }
   mma.accumulate_ = GMMA::ScaleOut::Zero;
-  for (int kt = 0; kt < tile.num_k; ++kt) {
-    const int s = kt % C::kStages;
-    BarrierWait(&smem.full[s], (kt / C::kStages) & 1);
+  int previous = 0;
+  for (int kt = 0; kt < tile.num_k; ++kt, ++it) {
+    const int s = it % C::kStages;
+    BarrierWait(&smem.full[s], (it / C::kStages) & 1);
     warpgroup_fence_operand(acc);
     warpgroup_arrive();
     CUTE_UNROLL
@@ -129,10 +151,12 @@ __device__ __forceinline__ void MmaTile(const GemmTile& tile, GemmSmem& smem, in
     // Keep one k-step of wgmma in flight; the one before it has finished reading its stage.
     warpgroup_wait<1>();
     warpgroup_fence_operand(acc);
-    if (kt > 0 && releaser) BarrierArrive(&smem.empty[(kt - 1) % C::kStages]);
+    if (kt > 0 && releaser) BarrierArrive(&smem.empty[previous]);
+    previous = s;
   }
   warpgroup_wait<0>();
   warpgroup_fence_operand(acc);
+  if (releaser) BarrierArrive(&smem.empty[previous]);  // the producer may refill it now
 }
 
 }  // namespace mok::sm90
