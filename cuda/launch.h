@@ -27,9 +27,9 @@ struct MoeFwdArgs {
   int32_t* pos;           // (T, k)
   int32_t* offsets;       // (E + 1)
   int32_t* rows;          // (R)
-  void* gu;               // (R, 2I) bf16
+  void* gu;               // (R, 2I) bf16: a residual, or scratch with Config.recompute
   void* y_routed;         // (R, H) bf16
-  void* gu_shared;        // (T, 2Is) bf16
+  void* gu_shared;        // (T, 2Is) bf16, like gu
   void* xs;               // scratch (R, H) bf16: gathered token rows, zero padding rows
   void* h;                // scratch (R, I) bf16: silu(g) * u
   void* h_shared;         // scratch (T, Is) bf16
@@ -54,9 +54,9 @@ struct MoeBwdArgs {
   const int32_t* pos;     // the forward's residuals
   const int32_t* offsets;
   const int32_t* rows;
-  const void* gu;
+  const void* gu;         // empty with recompute
   const void* y_routed;
-  const void* gu_shared;
+  const void* gu_shared;  // empty with recompute
   void* dx;               // (T, H) bf16
   float* dweights;        // (T, k)
   void* dw_gate;          // (E, H, I) bf16
@@ -73,6 +73,9 @@ struct MoeBwdArgs {
   void* dgu_shared;       // scratch (T, 2Is) bf16
   void* h_shared;         // scratch (T, Is) bf16
   float* dx_shared;       // scratch (T, H), empty when Is = 0
+  bool recompute;         // Config.recompute: gu and gu_shared from x, into the scratch below
+  void* gu_scratch;       // scratch (R, 2I) bf16 with recompute, else empty
+  void* gu_shared_scratch;  // scratch (T, 2Is) bf16 with recompute, else empty
 };
 
 // Enqueues the whole forward on `stream`; nothing waits on the host. Returns nullptr, or a

@@ -1,5 +1,5 @@
-// Scalar helpers of the C++ CPU reference targets: the storage types of x (f32 or bf16 bits)
-// and the SwiGLU activation, with the rounding points of DESIGN.md.
+// Scalar helpers of the C++ CPU reference targets: the storage types of x (f32 or bf16 bits),
+// the SwiGLU activation and the gate|up product, with the rounding points of DESIGN.md.
 #pragma once
 
 #include <cmath>
@@ -42,6 +42,26 @@ inline float Silu(float v) { return v * Sigmoid(v); }
 inline float SiluGrad(float v) {
   float s = Sigmoid(v);
   return s * (1.0f + v * (1.0f - s));
+}
+
+// g = x_row @ wg and u = x_row @ wu (I floats each, summed over H in order) and gu_row = [g | u]
+// rounded to S. The forward and the backward's recompute both call it, so that a recomputed gu
+// has the bits of a saved one.
+template <class S>
+void GateUp(int64_t H, int64_t I, const S* x_row, const S* wg, const S* wu, S* gu_row, float* g,
+            float* u) {
+  for (int64_t i = 0; i < I; ++i) g[i] = u[i] = 0.0f;
+  for (int64_t h = 0; h < H; ++h) {
+    float xv = Load(x_row[h]);
+    for (int64_t i = 0; i < I; ++i) {
+      g[i] += xv * Load(wg[h * I + i]);
+      u[i] += xv * Load(wu[h * I + i]);
+    }
+  }
+  for (int64_t i = 0; i < I; ++i) {
+    gu_row[i] = Store<S>(g[i]);
+    gu_row[I + i] = Store<S>(u[i]);
+  }
 }
 
 }  // namespace mok::cpu

@@ -56,7 +56,8 @@ ffi::Error CheckBuffer(const char* target, const char* name, ffi::AnyBuffer b,
                              Describe(b.element_type(), dims));
 }
 
-ffi::ErrorOr<MoeDims> CheckInputs(const char* target, const MoeInputs& in, int64_t block_m) {
+ffi::ErrorOr<MoeDims> CheckInputs(const char* target, const MoeInputs& in, int64_t block_m,
+                                  bool recompute) {
   auto x = in.x.dimensions(), experts = in.experts.dimensions(), wg = in.w_gate.dimensions(),
        wsg = in.ws_gate.dimensions();
   auto dtype = in.x.element_type();
@@ -75,7 +76,7 @@ ffi::ErrorOr<MoeDims> CheckInputs(const char* target, const MoeInputs& in, int64
                 Describe(in.ws_gate.element_type(), wsg));
   if (block_m < 1 || block_m > 256 || (block_m & (block_m - 1)))
     return fail("block_m must be a power of two in [1, 256], got " + std::to_string(block_m));
-  MoeDims d{x[0], x[1], wg[2], wg[0], experts[1], wsg[1], 0, block_m};
+  MoeDims d{x[0], x[1], wg[2], wg[0], experts[1], wsg[1], 0, block_m, recompute};
   d.R = RoutedRows(d.T * d.k, d.E, block_m);
   const ffi::DataType s32 = ffi::DataType::S32, f32 = ffi::DataType::F32;
   for (auto err : {CheckBuffer(target, "experts", in.experts, s32, {d.T, d.k}),
@@ -93,18 +94,41 @@ ffi::ErrorOr<MoeDims> CheckInputs(const char* target, const MoeInputs& in, int64
 
 namespace {
 
+// gu and gu_shared, wherever the mode puts them: a shape that belongs to the other mode is most
+// likely residuals of a forward called with another `recompute`, so the message says which.
+ffi::Error CheckGu(const char* target, const char* name, ffi::AnyBuffer b, ffi::DataType dtype,
+                   int64_t rows, int64_t cols, bool recompute) {
+  ffi::Error err = CheckBuffer(target, name, b, dtype, {rows, cols});
+  if (err.success()) return err;
+  return ffi::Error::InvalidArgument(err.message() + " (recompute = " +
+                                     (recompute ? "true" : "false") + ")");
+}
+
 ffi::Error CheckResiduals(const char* target, const MoeDims& d, ffi::DataType dtype,
                           const MoeResiduals& r) {
   const ffi::DataType s32 = ffi::DataType::S32;
+  const int64_t gu_rows = d.recompute ? 0 : d.R, gu_shared_rows = d.recompute ? 0 : d.T;
   for (auto err : {CheckBuffer(target, "pos", r.pos, s32, {d.T, d.k}),
                    CheckBuffer(target, "offsets", r.offsets, s32, {d.E + 1}),
                    CheckBuffer(target, "rows", r.rows, s32, {d.R}),
-                   CheckBuffer(target, "gu", r.gu, dtype, {d.R, 2 * d.I}),
+                   CheckGu(target, "gu", r.gu, dtype, gu_rows, 2 * d.I, d.recompute),
                    CheckBuffer(target, "y_routed", r.y_routed, dtype, {d.R, d.H}),
-                   CheckBuffer(target, "gu_shared", r.gu_shared, dtype, {d.T, 2 * d.Is})}) {
+                   CheckGu(target, "gu_shared", r.gu_shared, dtype, gu_shared_rows, 2 * d.Is,
+                           d.recompute)}) {
     if (err.failure()) return err;
   }
   return ffi::Error::Success();
+}
+
+// The scratch that holds gu and gu_shared in recompute mode (empty otherwise).
+ffi::Error CheckGuScratch(const char* target, const MoeDims& d, ffi::DataType dtype,
+                          ffi::AnyBuffer gu, ffi::AnyBuffer gu_shared) {
+  const int64_t gu_rows = d.recompute ? d.R : 0, gu_shared_rows = d.recompute ? d.T : 0;
+  if (auto err = CheckGu(target, "gu_scratch", gu, dtype, gu_rows, 2 * d.I, d.recompute);
+      err.failure())
+    return err;
+  return CheckGu(target, "gu_shared_scratch", gu_shared, dtype, gu_shared_rows, 2 * d.Is,
+                 d.recompute);
 }
 
 }  // namespace
@@ -122,7 +146,8 @@ ffi::Error CheckFwdResults(const MoeDims& d, ffi::DataType dtype, const MoeFwdRe
                    CheckBuffer(target, "h_shared", out.h_shared, dtype, {d.T, d.Is}),
                    CheckBuffer(target, "y_shared", out.y_shared, dtype, {d.Is > 0 ? d.T : 0, d.H}),
                    CheckBuffer(target, "layout", out.layout, ffi::DataType::S32,
-                               {LayoutScratchInts(d.T * d.k, d.E)})}) {
+                               {LayoutScratchInts(d.T * d.k, d.E)}),
+                   CheckGuScratch(target, d, dtype, out.gu_scratch, out.gu_shared_scratch)}) {
     if (err.failure()) return err;
   }
   return ffi::Error::Success();
@@ -154,7 +179,8 @@ ffi::Error CheckBwdArgs(const MoeDims& d, ffi::DataType dtype, ffi::AnyBuffer dy
                    CheckBuffer(target, "h", out.h, dtype, {d.R, d.I}),
                    CheckBuffer(target, "h_shared", out.h_shared, dtype, {d.T, d.Is}),
                    CheckBuffer(target, "dx_shared", out.dx_shared, f32,
-                               {d.Is > 0 ? d.T : 0, d.H})}) {
+                               {d.Is > 0 ? d.T : 0, d.H}),
+                   CheckGuScratch(target, d, dtype, out.gu_scratch, out.gu_shared_scratch)}) {
     if (err.failure()) return err;
   }
   return ffi::Error::Success();

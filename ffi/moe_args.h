@@ -13,9 +13,11 @@ namespace mok {
 
 namespace ffi = xla::ffi;
 
-// Sizes of one call. R = routed rows (mok_jax.ops.routed_rows).
+// Sizes of one call. R = routed rows (mok_jax.ops.routed_rows). recompute (Config.recompute):
+// gu and gu_shared are scratch of each call instead of residuals.
 struct MoeDims {
   int64_t T, H, I, E, k, Is, R, block_m;
+  bool recompute;
 };
 
 // The forward's inputs, in target argument order.
@@ -31,7 +33,8 @@ struct MoeInputs {
   ffi::AnyBuffer ws_down;  // (Is, H)
 };
 
-// What the forward saves for the backward (mok_jax.ops.Residuals).
+// What the forward saves for the backward (mok_jax.ops.Residuals). With recompute, gu and
+// gu_shared have zero rows.
 struct MoeResiduals {
   ffi::AnyBuffer pos;        // (T, k) s32: routed row of route (t, j), -1 if invalid
   ffi::AnyBuffer offsets;    // (E + 1) s32: first routed row of expert e, multiple of block_m
@@ -49,6 +52,9 @@ struct MoeFwdResults {
   ffi::AnyBuffer h_shared;  // scratch (T, Is) like x
   ffi::AnyBuffer y_shared;  // scratch (T, H) like x, (0, H) when Is = 0: shared output
   ffi::AnyBuffer layout;    // scratch (LayoutScratchInts(T * k, E)) s32
+  // With recompute the forward's gu goes here instead of into the residuals.
+  ffi::AnyBuffer gu_scratch;         // scratch (R, 2I) like x; (0, 2I) without recompute
+  ffi::AnyBuffer gu_shared_scratch;  // scratch (T, 2Is) like x; (0, 2Is) without recompute
 };
 
 struct MoeBwdResults {
@@ -68,13 +74,18 @@ struct MoeBwdResults {
   ffi::AnyBuffer h;           // scratch (R, I) like x: silu(g) * u from gu
   ffi::AnyBuffer h_shared;    // scratch (T, Is) like x
   ffi::AnyBuffer dx_shared;   // scratch (T, H) f32, (0, H) when Is = 0
+  // With recompute gu is recomputed from x into these instead of read from the residuals.
+  ffi::AnyBuffer gu_scratch;         // scratch (R, 2I) like x; (0, 2I) without recompute
+  ffi::AnyBuffer gu_shared_scratch;  // scratch (T, 2Is) like x; (0, 2Is) without recompute
 };
 
 // mok_jax.ops.routed_rows: every route plus the block_m alignment padding of each expert.
 int64_t RoutedRows(int64_t routes, int64_t experts, int64_t block_m);
 
 // Checks the inputs and returns the sizes of the call.
-ffi::ErrorOr<MoeDims> CheckInputs(const char* target, const MoeInputs& in, int64_t block_m);
+ffi::ErrorOr<MoeDims> CheckInputs(const char* target, const MoeInputs& in, int64_t block_m,
+                                  bool recompute);
+// gu and gu_shared have the rows that d.recompute implies, as residuals and as scratch.
 ffi::Error CheckFwdResults(const MoeDims& d, ffi::DataType dtype, const MoeFwdResults& out);
 // dy is (T, H) of x's dtype or f32; the residuals are as CheckFwdResults wants them.
 ffi::Error CheckBwdArgs(const MoeDims& d, ffi::DataType dtype, ffi::AnyBuffer dy,
@@ -104,15 +115,18 @@ auto BindMoeFwd(Binding binding) {
       .template Ret<ffi::AnyBuffer>()            // pos (T, k) s32
       .template Ret<ffi::AnyBuffer>()            // offsets (E + 1) s32
       .template Ret<ffi::AnyBuffer>()            // rows (R) s32
-      .template Ret<ffi::AnyBuffer>()            // gu (R, 2I)
+      .template Ret<ffi::AnyBuffer>()            // gu (R, 2I); (0, 2I) with recompute
       .template Ret<ffi::AnyBuffer>()            // y_routed (R, H)
-      .template Ret<ffi::AnyBuffer>()            // gu_shared (T, 2Is)
+      .template Ret<ffi::AnyBuffer>()            // gu_shared (T, 2Is); (0, 2Is) with recompute
       .template Ret<ffi::AnyBuffer>()            // scratch xs (R, H)
       .template Ret<ffi::AnyBuffer>()            // scratch h (R, I)
       .template Ret<ffi::AnyBuffer>()            // scratch h_shared (T, Is)
       .template Ret<ffi::AnyBuffer>()            // scratch y_shared (T or 0, H)
       .template Ret<ffi::AnyBuffer>()            // scratch layout s32
-      .template Attr<int64_t>("block_m");
+      .template Ret<ffi::AnyBuffer>()            // scratch gu (R, 2I); (0, 2I) without recompute
+      .template Ret<ffi::AnyBuffer>()            // scratch gu_shared (T, 2Is); (0, 2Is) without
+      .template Attr<int64_t>("block_m")
+      .template Attr<bool>("recompute");
 }
 
 // The argument list of mok_moe_bwd, shared like BindMoeFwd.
@@ -131,9 +145,9 @@ auto BindMoeBwd(Binding binding) {
       .template Arg<ffi::AnyBuffer>()            // pos (T, k) s32
       .template Arg<ffi::AnyBuffer>()            // offsets (E + 1) s32
       .template Arg<ffi::AnyBuffer>()            // rows (R) s32
-      .template Arg<ffi::AnyBuffer>()            // gu (R, 2I)
+      .template Arg<ffi::AnyBuffer>()            // gu (R, 2I); (0, 2I) with recompute
       .template Arg<ffi::AnyBuffer>()            // y_routed (R, H)
-      .template Arg<ffi::AnyBuffer>()            // gu_shared (T, 2Is)
+      .template Arg<ffi::AnyBuffer>()            // gu_shared (T, 2Is); (0, 2Is) with recompute
       .template Ret<ffi::AnyBuffer>()            // dx (T, H)
       .template Ret<ffi::AnyBuffer>()            // dweights (T, k) f32
       .template Ret<ffi::AnyBuffer>()            // dw_gate (E, H, I)
@@ -150,7 +164,10 @@ auto BindMoeBwd(Binding binding) {
       .template Ret<ffi::AnyBuffer>()            // scratch h (R, I)
       .template Ret<ffi::AnyBuffer>()            // scratch h_shared (T, Is)
       .template Ret<ffi::AnyBuffer>()            // scratch dx_shared (T or 0, H) f32
-      .template Attr<int64_t>("block_m");
+      .template Ret<ffi::AnyBuffer>()            // scratch gu (R, 2I); (0, 2I) without recompute
+      .template Ret<ffi::AnyBuffer>()            // scratch gu_shared (T, 2Is); (0, 2Is) without
+      .template Attr<int64_t>("block_m")
+      .template Attr<bool>("recompute");
 }
 
 // What the CUDA kernels add to the contract: bf16 and block_m = 64 or 128. `target` names the call.

@@ -4,6 +4,8 @@
 //   dh       = dy_r @ w_down^T                 dw_down_e = h_e^T @ dy_r_e   (h from gu)
 //   dg, du   = SwiGLU backward(g, u, dh)       dw_gate_e = x_e^T @ dg_e, dw_up_e = x_e^T @ du_e
 //   dx_r     = dg @ w_gate^T + du @ w_up^T     dx[t] = sum_j dx_r[pos[t, j]] + shared part
+//
+// gu = [g | u] comes from the residuals, or with recompute from x first (RecomputeGu).
 #include <algorithm>
 #include <string>
 #include <vector>
@@ -37,6 +39,33 @@ ffi::Error CheckLayout(const MoeDims& d, const int32_t* experts, const MoeResidu
   return ffi::Error::Success();
 }
 
+// gu and gu_shared into the scratch, by the forward's own GateUp on the same rows: the bits that
+// the forward would have saved.
+template <class S>
+void RecomputeGu(const MoeDims& d, const MoeInputs& in, const int32_t* rows,
+                 const MoeBwdResults& out) {
+  const int64_t H = d.H, I = d.I, Is = d.Is;
+  const S* x = in.x.reinterpret_data<S>();
+  const int32_t* experts = in.experts.reinterpret_data<int32_t>();
+  const S *wg = in.w_gate.reinterpret_data<S>(), *wu = in.w_up.reinterpret_data<S>();
+  S* gu = out.gu_scratch.reinterpret_data<S>();
+  std::vector<float> g(std::max(I, Is)), u(std::max(I, Is));
+  for (int64_t r = 0; r < d.R; ++r) {
+    S* gu_row = gu + r * 2 * I;
+    if (rows[r] < 0) {
+      std::fill(gu_row, gu_row + 2 * I, Store<S>(0.0f));
+      continue;
+    }
+    int64_t e = experts[rows[r]];
+    GateUp<S>(H, I, x + rows[r] / d.k * H, wg + e * H * I, wu + e * H * I, gu_row, g.data(),
+              u.data());
+  }
+  const S *wsg = in.ws_gate.reinterpret_data<S>(), *wsu = in.ws_up.reinterpret_data<S>();
+  S* gu_s = out.gu_shared_scratch.reinterpret_data<S>();
+  for (int64_t t = 0; t < d.T && Is > 0; ++t)
+    GateUp<S>(H, Is, x + t * H, wsg, wsu, gu_s + t * 2 * Is, g.data(), u.data());
+}
+
 template <class S, class D>
 void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
               const MoeResiduals& res, const MoeBwdResults& out) {
@@ -49,7 +78,8 @@ void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
   const int32_t* pos = res.pos.reinterpret_data<int32_t>();
   const int32_t* offsets = res.offsets.reinterpret_data<int32_t>();
   const int32_t* rows = res.rows.reinterpret_data<int32_t>();
-  const S* gu = res.gu.reinterpret_data<S>();
+  if (d.recompute) RecomputeGu<S>(d, in, rows, out);
+  const S* gu = (d.recompute ? out.gu_scratch : res.gu).reinterpret_data<S>();
   const S* y_routed = res.y_routed.reinterpret_data<S>();
   S* dy_r = out.dy_routed.reinterpret_data<S>();
   S* dgu = out.dgu.reinterpret_data<S>();
@@ -127,7 +157,7 @@ void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
   // expert is a dense MLP over all T tokens; its weight gradients sum over t in order.
   const S *wsg = in.ws_gate.reinterpret_data<S>(), *wsu = in.ws_up.reinterpret_data<S>(),
           *wsd = in.ws_down.reinterpret_data<S>();
-  const S* gu_s = res.gu_shared.reinterpret_data<S>();
+  const S* gu_s = (d.recompute ? out.gu_shared_scratch : res.gu_shared).reinterpret_data<S>();
   S* dgu_s = out.dgu_shared.reinterpret_data<S>();
   S* h_s = out.h_shared.reinterpret_data<S>();
   float* dx_s = out.dx_shared.reinterpret_data<float>();
@@ -189,13 +219,16 @@ ffi::Error MoeBwd(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer experts,
                   ffi::Result<ffi::AnyBuffer> dgu, ffi::Result<ffi::AnyBuffer> dx_routed,
                   ffi::Result<ffi::AnyBuffer> dgu_shared, ffi::Result<ffi::AnyBuffer> xs,
                   ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> h_shared,
-                  ffi::Result<ffi::AnyBuffer> dx_shared, int64_t block_m) {
+                  ffi::Result<ffi::AnyBuffer> dx_shared, ffi::Result<ffi::AnyBuffer> gu_scratch,
+                  ffi::Result<ffi::AnyBuffer> gu_shared_scratch, int64_t block_m,
+                  bool recompute) {
   MoeInputs in{x, experts, weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down};
   MoeResiduals res{pos, offsets, rows, gu, y_routed, gu_shared};
   MoeBwdResults out{*dx,       *dweights,  *dw_gate, *dw_up, *dw_down,   *dws_gate,
                     *dws_up,   *dws_down,  *dy_routed, *dgu, *dx_routed, *dgu_shared,
-                    *xs,       *h,         *h_shared,  *dx_shared};
-  auto dims = CheckInputs("mok_moe_bwd", in, block_m);
+                    *xs,       *h,         *h_shared,  *dx_shared,
+                    *gu_scratch, *gu_shared_scratch};
+  auto dims = CheckInputs("mok_moe_bwd", in, block_m, recompute);
   if (dims.has_error()) return dims.error();
   auto dtype = x.element_type();
   if (auto err = CheckBwdArgs(*dims, dtype, dy, res, out); err.failure()) return err;

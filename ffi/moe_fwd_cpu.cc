@@ -40,19 +40,9 @@ template <class S>
 void ExpertMlp(int64_t H, int64_t I, const S* x_row, const S* wg, const S* wu, const S* wd,
                S* gu_row, S* h_row, S* y_row, std::vector<float>& g, std::vector<float>& u,
                std::vector<float>& acc) {
-  std::fill(g.begin(), g.end(), 0.0f);
-  std::fill(u.begin(), u.end(), 0.0f);
-  for (int64_t h = 0; h < H; ++h) {
-    float xv = Load(x_row[h]);
-    for (int64_t i = 0; i < I; ++i) {
-      g[i] += xv * Load(wg[h * I + i]);
-      u[i] += xv * Load(wu[h * I + i]);
-    }
-  }
+  GateUp<S>(H, I, x_row, wg, wu, gu_row, g.data(), u.data());
   std::fill(acc.begin(), acc.end(), 0.0f);
   for (int64_t i = 0; i < I; ++i) {
-    gu_row[i] = Store<S>(g[i]);
-    gu_row[I + i] = Store<S>(u[i]);
     h_row[i] = Store<S>(Silu(g[i]) * u[i]);
     float a = Load(h_row[i]);
     for (int64_t h = 0; h < H; ++h) acc[h] += a * Load(wd[i * H + h]);
@@ -70,7 +60,7 @@ void Forward(const MoeDims& d, const MoeInputs& in, const MoeFwdResults& out) {
           *wd = in.w_down.reinterpret_data<S>();
   int32_t* pos = out.res.pos.reinterpret_data<int32_t>();
   int32_t* rows = out.res.rows.reinterpret_data<int32_t>();
-  S* gu = out.res.gu.reinterpret_data<S>();
+  S* gu = (d.recompute ? out.gu_scratch : out.res.gu).reinterpret_data<S>();
   S* y_routed = out.res.y_routed.reinterpret_data<S>();
   S* xs = out.xs.reinterpret_data<S>();
   S* h = out.h.reinterpret_data<S>();
@@ -97,7 +87,8 @@ void Forward(const MoeDims& d, const MoeInputs& in, const MoeFwdResults& out) {
   }
   const S *wsg = in.ws_gate.reinterpret_data<S>(), *wsu = in.ws_up.reinterpret_data<S>(),
           *wsd = in.ws_down.reinterpret_data<S>();
-  S* gu_shared = out.res.gu_shared.reinterpret_data<S>();
+  S* gu_shared =
+      (d.recompute ? out.gu_shared_scratch : out.res.gu_shared).reinterpret_data<S>();
   S* h_shared = out.h_shared.reinterpret_data<S>();
   S* y_shared = out.y_shared.reinterpret_data<S>();
   for (int64_t t = 0; t < T; ++t) {
@@ -130,11 +121,13 @@ ffi::Error MoeFwd(ffi::AnyBuffer x, ffi::AnyBuffer experts, ffi::AnyBuffer weigh
                   ffi::Result<ffi::AnyBuffer> gu_shared, ffi::Result<ffi::AnyBuffer> xs,
                   ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> h_shared,
                   ffi::Result<ffi::AnyBuffer> y_shared, ffi::Result<ffi::AnyBuffer> layout,
-                  int64_t block_m) {
+                  ffi::Result<ffi::AnyBuffer> gu_scratch,
+                  ffi::Result<ffi::AnyBuffer> gu_shared_scratch, int64_t block_m,
+                  bool recompute) {
   MoeInputs in{x, experts, weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down};
   MoeFwdResults out{*y,  {*pos, *offsets, *rows, *gu, *y_routed, *gu_shared},
-                    *xs, *h, *h_shared, *y_shared, *layout};
-  auto dims = CheckInputs("mok_moe_fwd", in, block_m);
+                    *xs, *h, *h_shared, *y_shared, *layout, *gu_scratch, *gu_shared_scratch};
+  auto dims = CheckInputs("mok_moe_fwd", in, block_m, recompute);
   if (dims.has_error()) return dims.error();
   auto dtype = x.element_type();
   if (auto err = CheckFwdResults(*dims, dtype, out); err.failure()) return err;

@@ -15,11 +15,20 @@ class Config:
       buffers therefore hold `routed_rows(T * k, E, block_m)` rows (see `mok_jax.ops`). The C++
       CPU target uses the same layout as the CUDA kernel so that CI checks it. A power of two
       in [1, 256]; the CUDA kernel needs 128.
+    recompute: trades time for memory in the backward. False: the forward keeps the
+      pre-activations gu = [x @ w_gate | x @ w_up] of the routed rows and of the shared expert
+      as residuals, b (2 R I + 2 T Is) bytes per layer (b = bytes per element of x) held from
+      the forward until the backward. True: those residuals are empty and the backward first
+      recomputes gu from x with the forward's own gate|up GEMM, 2/3 of a forward's FLOPs
+      (forward + backward do 11/9 of the save mode's work). The same bits either way.
   """
 
   block_m: int = 128
+  recompute: bool = False
 
   def __post_init__(self):
     b = self.block_m
     if not isinstance(b, int) or isinstance(b, bool) or b < 1 or b > 256 or b & (b - 1):
       raise ValueError(f"Config.block_m must be a power of two in [1, 256], got {b!r}")
+    if not isinstance(self.recompute, bool):
+      raise ValueError(f"Config.recompute must be a bool, got {self.recompute!r}")

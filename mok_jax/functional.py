@@ -232,7 +232,8 @@ def _moe_ffi_vjp(out_dtype, config, x, experts, weights, w_gate, w_up, w_down, s
 
 def _moe_ffi_fwd(out_dtype, config, x, experts, weights, w_gate, w_up, w_down, shared):
   y, residuals = ops.moe_fwd(x, experts, weights, w_gate, w_up, w_down, shared,
-                             out_dtype=out_dtype, block_m=config.block_m)
+                             out_dtype=out_dtype, block_m=config.block_m,
+                             recompute=config.recompute)
   y, residuals = _vary((y, residuals), _varying_axes(x))
   return y, (x, experts, weights, w_gate, w_up, w_down, shared, residuals)
 
@@ -241,7 +242,7 @@ def _moe_ffi_bwd(out_dtype, config, saved, dy):
   del out_dtype
   x, experts, weights, w_gate, w_up, w_down, shared, residuals = saved
   grads = ops.moe_bwd(dy, x, experts, weights, w_gate, w_up, w_down, shared, residuals,
-                      block_m=config.block_m)
+                      block_m=config.block_m, recompute=config.recompute)
   grads = _vary(grads, _varying_axes(x))
   return (grads.x, None, grads.weights, grads.w_gate, grads.w_up, grads.w_down, grads.shared)
 

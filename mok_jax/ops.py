@@ -50,7 +50,8 @@ class MoeDims(NamedTuple):
 
 
 class Residuals(NamedTuple):
-  """What mok_moe_fwd saves for mok_moe_bwd. R = routed_rows(T * k, E, block_m)."""
+  """What mok_moe_fwd saves for mok_moe_bwd. R = routed_rows(T * k, E, block_m). With
+  Config.recompute, gu and gu_shared have zero rows: the backward recomputes them from x."""
 
   pos: jax.Array  # (T, k) int32: routed row of route (t, j); -1 for an invalid id
   offsets: jax.Array  # (E + 1,) int32: first routed row of each expert; [E] = rows in use
@@ -174,32 +175,37 @@ def _check_ffi_inputs(x, experts, weights, w_gate, w_up, w_down, shared):
   return dims
 
 
-def fwd_results(dims: MoeDims, dtype, out_dtype, block_m) -> tuple:
+def fwd_results(dims: MoeDims, dtype, out_dtype, block_m, recompute=False) -> tuple:
   """The results mok_moe_fwd declares: y, the `Residuals`, then scratch that XLA frees after
   the call (declared results, so that the handler allocates nothing)."""
   T, H, I, E, k, Is = dims
   R = routed_rows(T * k, E, block_m)
+  # Rows of gu and gu_shared kept as residuals; with recompute they live in scratch instead.
+  Rg, Tg = (0, 0) if recompute else (R, T)
   sds = jax.ShapeDtypeStruct
   return (
       sds((T, H), out_dtype),  # y
       sds((T, k), jnp.int32),  # pos
       sds((E + 1,), jnp.int32),  # offsets
       sds((R,), jnp.int32),  # rows
-      sds((R, 2 * I), dtype),  # gu
+      sds((Rg, 2 * I), dtype),  # gu
       sds((R, H), dtype),  # y_routed
-      sds((T, 2 * Is), dtype),  # gu_shared
+      sds((Tg, 2 * Is), dtype),  # gu_shared
       sds((R, H), dtype),  # scratch xs: the token row of each routed row
       sds((R, I), dtype),  # scratch h = silu(g) * u
       sds((T, Is), dtype),  # scratch h of the shared expert
       sds((T if Is else 0, H), dtype),  # scratch: output of the shared expert
       sds((_mok_cpu.layout_scratch_ints(T * k, E),), jnp.int32),  # scratch of the layout kernels
+      sds((R - Rg, 2 * I), dtype),  # scratch gu when it is not kept (recompute)
+      sds((T - Tg, 2 * Is), dtype),  # scratch gu_shared when it is not kept
   )
 
 
-def bwd_results(dims: MoeDims, dtype, block_m) -> tuple:
+def bwd_results(dims: MoeDims, dtype, block_m, recompute=False) -> tuple:
   """The results mok_moe_bwd declares: the eight gradients, then scratch."""
   T, H, I, E, k, Is = dims
   R = routed_rows(T * k, E, block_m)
+  Rg, Tg = (R, T) if recompute else (0, 0)  # rows of gu and gu_shared recomputed here
   sds = jax.ShapeDtypeStruct
   return (
       sds((T, H), dtype),  # dx
@@ -218,6 +224,8 @@ def bwd_results(dims: MoeDims, dtype, block_m) -> tuple:
       sds((R, I), dtype),  # scratch: h = silu(g) * u, recomputed from gu
       sds((T, Is), dtype),  # scratch: h of the shared expert
       sds((T if Is else 0, H), jnp.float32),  # scratch: dx of the shared expert
+      sds((Rg, 2 * I), dtype),  # scratch: gu recomputed from x (recompute)
+      sds((Tg, 2 * Is), dtype),  # scratch: gu_shared recomputed from x
   )
 
 
@@ -229,30 +237,36 @@ class Footprint(NamedTuple):
   bwd_scratch: int  # live during the backward call only
 
 
-def footprint(dims: MoeDims, dtype, block_m=128) -> Footprint:
+def footprint(dims: MoeDims, dtype, block_m=128, recompute=False) -> Footprint:
   """The memory the FFI targets need, with b = bytes per element of x, R = routed_rows(T k, E,
-  block_m) = T k + min(E, T k) (block_m - 1), S = [Is > 0]:
+  block_m) = T k + min(E, T k) (block_m - 1), S = [Is > 0], G = b (2 R I + 2 T Is) the bytes of
+  gu and gu_shared, and C = [recompute]:
 
-    residuals   = 4 (T k + E + 1 + R) + b (2 R I + R H + 2 T Is)
-    fwd scratch = b (R H + R I + T Is + S T H) + 4 ceil(T k / 1024) E
-    bwd scratch = b (R H + 2 R I + 2 T Is + R H + R I + T Is) + 4 (R H + S T H)
+    residuals   = 4 (T k + E + 1 + R) + b R H + (1 - C) G
+    fwd scratch = b (R H + R I + T Is + S T H) + 4 ceil(T k / 1024) E + C G
+    bwd scratch = b (R H + 2 R I + 2 T Is + R H + R I + T Is) + 4 (R H + S T H) + C G
 
-  The forward's y and the backward's gradients are not counted (any implementation has them).
+  Recompute moves G from the residuals, held from the forward until the backward, into scratch
+  that each call frees. The forward's y and the backward's gradients are not counted (any
+  implementation has them).
   """
   T, H, I, E, k, Is = dims
   b = jnp.dtype(dtype).itemsize
   R = routed_rows(T * k, E, block_m)
   S = 1 if Is else 0
+  G = b * (2 * R * I + 2 * T * Is)
+  C = 1 if recompute else 0
   chunks = -(-T * k // 1024)
   return Footprint(
-      residuals=4 * (T * k + E + 1 + R) + b * (2 * R * I + R * H + 2 * T * Is),
-      fwd_scratch=b * (R * H + R * I + T * Is + S * T * H) + 4 * chunks * E,
+      residuals=4 * (T * k + E + 1 + R) + b * R * H + (1 - C) * G,
+      fwd_scratch=b * (R * H + R * I + T * Is + S * T * H) + 4 * chunks * E + C * G,
       bwd_scratch=b * (R * H + 2 * R * I + 2 * T * Is + R * H + R * I + T * Is)
-      + 4 * (R * H + S * T * H),
+      + 4 * (R * H + S * T * H) + C * G,
   )
 
 
-def moe_fwd(x, experts, weights, w_gate, w_up, w_down, shared=None, *, out_dtype, block_m):
+def moe_fwd(x, experts, weights, w_gate, w_up, w_down, shared=None, *, out_dtype, block_m,
+            recompute=False):
   """Target mok_moe_fwd.
 
   Inputs:
@@ -260,25 +274,28 @@ def moe_fwd(x, experts, weights, w_gate, w_up, w_down, shared=None, *, out_dtype
     weights (T, k) f32; w_gate, w_up (E, H, I); w_down (E, I, H); shared None or
     (ws_gate (H, Is), ws_up (H, Is), ws_down (Is, H)); all weight tensors of x's dtype.
   Outputs:
-    y (T, H) out_dtype (x's dtype, or f32 for a partial sum), and `Residuals`.
+    y (T, H) out_dtype (x's dtype, or f32 for a partial sum), and `Residuals` (gu and
+    gu_shared with zero rows when recompute).
   """
   dims = _check_ffi_inputs(x, experts, weights, w_gate, w_up, w_down, shared)
   out_dtype = jnp.dtype(out_dtype)
   if out_dtype not in (jnp.dtype(x.dtype), jnp.dtype(jnp.float32)):
     raise ValueError(f"moe_fwd: out_dtype must be x's dtype or float32, got {out_dtype}")
-  results = fwd_results(dims, x.dtype, out_dtype, block_m)
+  results = fwd_results(dims, x.dtype, out_dtype, block_m, recompute)
   call = jax.ffi.ffi_call("mok_moe_fwd", results, vmap_method="sequential")
   y, *residuals = call(x, experts, weights, w_gate, w_up, w_down,
-                       *_shared_or_empty(shared, dims.H, x.dtype), block_m=np.int64(block_m))
+                       *_shared_or_empty(shared, dims.H, x.dtype), block_m=np.int64(block_m),
+                       recompute=bool(recompute))
   return y, Residuals(*residuals[:len(Residuals._fields)])
 
 
 def moe_bwd(dy, x, experts, weights, w_gate, w_up, w_down, shared, residuals: Residuals, *,
-            block_m) -> Grads:
+            block_m, recompute=False) -> Grads:
   """Target mok_moe_bwd.
 
   Inputs:
-    dy (T, H) of y's dtype; the forward's inputs; its `Residuals`.
+    dy (T, H) of y's dtype; the forward's inputs; its `Residuals`, from a forward with the same
+    block_m and recompute.
   Outputs:
     `Grads`: x (T, H), weights (T, k) f32, w_gate, w_up (E, H, I), w_down (E, I, H) and the
     shared weights' gradients (None without a shared expert), all but weights in x's dtype.
@@ -288,14 +305,15 @@ def moe_bwd(dy, x, experts, weights, w_gate, w_up, w_down, shared, residuals: Re
   if dy.shape != (T, H) or jnp.dtype(dy.dtype) not in (jnp.dtype(x.dtype), jnp.float32):
     raise ValueError(f"moe_bwd: dy must be ({T}, {H}) of {x.dtype} or float32, got "
                      f"{dy.shape} {dy.dtype}")
-  want = fwd_results(dims, x.dtype, x.dtype, block_m)[1:1 + len(Residuals._fields)]
+  want = fwd_results(dims, x.dtype, x.dtype, block_m, recompute)[1:1 + len(Residuals._fields)]
   for name, spec, got in zip(Residuals._fields, want, residuals):
     if got.shape != spec.shape or got.dtype != spec.dtype:
       raise ValueError(f"moe_bwd: residual {name} must be {spec.shape} {spec.dtype}, got "
-                       f"{got.shape} {got.dtype}")
-  results = bwd_results(dims, x.dtype, block_m)
+                       f"{got.shape} {got.dtype} (block_m={block_m}, recompute={recompute}: the "
+                       "forward's must be the same)")
+  results = bwd_results(dims, x.dtype, block_m, recompute)
   call = jax.ffi.ffi_call("mok_moe_bwd", results, vmap_method="sequential")
   dx, dweights, dw_gate, dw_up, dw_down, *dshared = call(
       dy, x, experts, weights, w_gate, w_up, w_down, *_shared_or_empty(shared, H, x.dtype),
-      *residuals, block_m=np.int64(block_m))[:8]
+      *residuals, block_m=np.int64(block_m), recompute=bool(recompute))[:8]
   return Grads(dx, dweights, dw_gate, dw_up, dw_down, None if shared is None else tuple(dshared))

@@ -51,7 +51,7 @@ def fwd_signature():
                        block_m=BLOCK_M)
 
   target, results, attributes = ffi_signature(fwd, *fwd_operands().values())
-  assert target == "mok_moe_fwd" and attributes == {"block_m": BLOCK_M}
+  assert target == "mok_moe_fwd" and attributes == {"block_m": BLOCK_M, "recompute": False}
   return dict(zip(FWD_RESULT_NAMES, results)), results[len(FWD_RESULT_NAMES):]
 
 
@@ -59,12 +59,13 @@ def fwd_signature():
 FWD_RESULT_NAMES = ("y", "pos", "offsets", "rows", "gu", "y_routed", "gu_shared")
 
 
-def call_fwd(operands, results=None, block_m=BLOCK_M):
+def call_fwd(operands, results=None, block_m=BLOCK_M, recompute=False):
   """mok_moe_fwd through jax.ffi.ffi_call, with `results` replacing the named results."""
   named, scratch = fwd_signature()
   named.update(results or {})
   call = jax.ffi.ffi_call("mok_moe_fwd", (*named.values(), *scratch))
-  out = jax.jit(lambda *a: call(*a, block_m=np.int64(block_m)))(*operands.values())
+  out = jax.jit(lambda *a: call(*a, block_m=np.int64(block_m), recompute=recompute))(
+      *operands.values())
   return jax.block_until_ready(out)
 
 
@@ -136,8 +137,17 @@ def test_bad_direct_fwd_scratch():
     call = jax.ffi.ffi_call("mok_moe_fwd",
                             (*named.values(), *scratch[:i], wrong, *scratch[i + 1:]))
     with pytest.raises(jax.errors.JaxRuntimeError, match=r"mok_moe_fwd: \w+ must be"):
-      jax.block_until_ready(jax.jit(lambda *a: call(*a, block_m=np.int64(BLOCK_M)))(
-          *fwd_operands().values()))
+      jax.block_until_ready(jax.jit(lambda *a: call(*a, block_m=np.int64(BLOCK_M),
+                                                    recompute=False))(*fwd_operands().values()))
+
+
+def test_direct_fwd_call_of_the_other_mode():
+  """Results declared for Config.recompute=False, called with recompute=True: gu is a residual
+  there, so the handler names it and the mode."""
+  with pytest.raises(jax.errors.JaxRuntimeError,
+                     match=rf"mok_moe_fwd: gu must be f32\[0, 12\], got f32\[{R}, 12\] "
+                           r"\(recompute = true\)"):
+    call_fwd(fwd_operands(), recompute=True)
 
 
 def forward_residuals(case):
@@ -207,9 +217,10 @@ def test_bad_direct_bwd_call():
   target, results, _ = ffi_signature(bwd_, *operands)
   assert target == "mok_moe_bwd"
 
-  def call(operands, results, block_m=BLOCK_M):
+  def call(operands, results, block_m=BLOCK_M, recompute=False):
     f = jax.ffi.ffi_call("mok_moe_bwd", results)
-    return jax.block_until_ready(jax.jit(lambda *a: f(*a, block_m=np.int64(block_m)))(*operands))
+    return jax.block_until_ready(
+        jax.jit(lambda *a: f(*a, block_m=np.int64(block_m), recompute=recompute))(*operands))
 
   grads = call(operands, results)  # the baseline is valid
   want = oracle.moe_grads(case.dy, *case.args(), case.shared)
@@ -228,6 +239,11 @@ def test_bad_direct_bwd_call():
   # Residuals of another block_m: their row count does not match.
   with pytest.raises(jax.errors.JaxRuntimeError, match=r"mok_moe_bwd: rows must be s32"):
     call(operands, results, block_m=8)
+  # Residuals of a forward that saved gu, for a backward told to recompute it.
+  with pytest.raises(jax.errors.JaxRuntimeError,
+                     match=rf"mok_moe_bwd: gu must be f32\[0, 12\], got f32\[{R}, 12\] "
+                           r"\(recompute = true\)"):
+    call(operands, results, recompute=True)
 
 
 BAD_OPS_ARGS = [

@@ -24,15 +24,34 @@ def nbytes(specs):
 @pytest.mark.parametrize("dims", SHAPES)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("block_m", [1, 128])
-def test_formula_matches_declared_results(dims, dtype, block_m):
+@pytest.mark.parametrize("recompute", [False, True], ids=["save", "recompute"])
+def test_formula_matches_declared_results(dims, dtype, block_m, recompute):
   dims = ops.MoeDims(*dims)
   n_res = len(ops.Residuals._fields)
-  fwd = ops.fwd_results(dims, dtype, dtype, block_m)
-  bwd = ops.bwd_results(dims, dtype, block_m)
-  got = ops.footprint(dims, dtype, block_m)
+  fwd = ops.fwd_results(dims, dtype, dtype, block_m, recompute)
+  bwd = ops.bwd_results(dims, dtype, block_m, recompute)
+  got = ops.footprint(dims, dtype, block_m, recompute)
   assert got.residuals == nbytes(fwd[1:1 + n_res])
   assert got.fwd_scratch == nbytes(fwd[1 + n_res:])
   assert got.bwd_scratch == nbytes(bwd[8:])
+
+
+@pytest.mark.parametrize("dims", SHAPES)
+def test_recompute_moves_gu_out_of_the_residuals(dims):
+  """Recompute keeps b (2 R I + 2 T Is) bytes fewer from the forward to the backward, and each
+  call holds them as scratch instead."""
+  dims = ops.MoeDims(*dims)
+  T, H, I, E, k, Is = dims
+  R = ops.routed_rows(T * k, E, 128)
+  gu = 2 * (2 * R * I + 2 * T * Is)
+  save = ops.footprint(dims, jnp.bfloat16)
+  recompute = ops.footprint(dims, jnp.bfloat16, recompute=True)
+  assert save.residuals - recompute.residuals == gu
+  assert recompute.fwd_scratch - save.fwd_scratch == gu
+  assert recompute.bwd_scratch - save.bwd_scratch == gu
+  res = ops.fwd_results(dims, jnp.bfloat16, jnp.bfloat16, 128, recompute=True)[1:7]
+  assert ops.Residuals(*res).gu.shape == (0, 2 * I)
+  assert ops.Residuals(*res).gu_shared.shape == (0, 2 * Is)
 
 
 def test_qwen3_numbers():
@@ -42,3 +61,20 @@ def test_qwen3_numbers():
   assert R == 147328
   assert f.residuals == 4 * (131072 + 129 + R) + 2 * (2 * R * 768 + R * 2048)
   assert 0.9e9 < f.residuals < 1.1e9
+
+
+# README, "Save or recompute": GiB of residuals in bf16, save and recompute, per bench shape.
+README_RECOMPUTE = {
+    (16384, 2048, 768, 128, 8): (0.98, 0.56),
+    (8192, 2880, 2880, 128, 4): (0.79, 0.26),
+    (8192, 4096, 14336, 8, 2): (1.06, 0.13),
+    (4096, 7168, 2048, 256, 8): (1.37, 0.87),
+}
+
+
+@pytest.mark.parametrize("dims", README_RECOMPUTE)
+def test_readme_recompute_numbers(dims):
+  dims = ops.MoeDims(*dims, 0)
+  save, recompute = (ops.footprint(dims, jnp.bfloat16, recompute=r).residuals / 2**30
+                     for r in (False, True))
+  assert (round(save, 2), round(recompute, 2)) == README_RECOMPUTE[tuple(dims[:5])]

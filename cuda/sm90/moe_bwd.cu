@@ -1,5 +1,6 @@
 // Launch of the backward on one GPU, all on XLA's stream with no host synchronisation:
 //
+//   gu, h = SwiGLU(xs @ [w_gate | w_up]) (recompute only)  LaunchGateUp, as the forward
 //   dy_r = w * dy (gathered), dweights = <dy, y_routed>    ScaleGatherKernel
 //   dgu, h = SwiGLU'(dy_r @ w_down^T)                      BwdDown
 //   dx_r = dgu @ [w_gate | w_up]^T  (f32)                  BwdGateUp
@@ -9,6 +10,7 @@
 // Every reduction has a single owner and a fixed order: the same bits on every run.
 #include "../launch.h"
 #include "combine.cuh"
+#include "expert_mlp.cuh"
 #include "gather.cuh"
 #include "gemm_launch.cuh"
 
@@ -83,6 +85,21 @@ const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
   sm90::GatherKernel<<<row_ctas, 256, 0, stream>>>(static_cast<const uint4*>(a.x), a.rows,
                                                    rows_in_use, k, H / 8,
                                                    static_cast<uint4*>(a.xs));
+  // Recompute: the forward's gate|up launches on the same rows (xs gathered as the forward
+  // gathers it, x for the shared expert), hence the bits it would have saved. h is written too
+  // and rewritten by BwdDown below.
+  const void* gu = a.recompute ? a.gu_scratch : a.gu;
+  const void* gu_shared = a.recompute ? a.gu_shared_scratch : a.gu_shared;
+  if (a.recompute) {
+    if (auto err = sm90::LaunchGateUp(a.xs, a.w_gate, a.w_up, a.offsets, a.block_m, E, a.R, a.H,
+                                      a.I, a.gu_scratch, a.h, stream))
+      return err;
+    if (a.Is > 0) {
+      if (auto err = sm90::LaunchGateUp(a.x, a.ws_gate, a.ws_up, nullptr, 128, 1, a.T, a.H, a.Is,
+                                        a.gu_shared_scratch, a.h_shared, stream))
+        return err;
+    }
+  }
   const auto* y_routed = static_cast<const bf16*>(a.y_routed);
   auto* dy_r = static_cast<bf16*>(a.dy_routed);
   if (a.dy_f32) {
@@ -94,12 +111,12 @@ const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
         static_cast<const bf16*>(a.dy), y_routed, a.rows, rows_in_use, a.weights, k, H, dy_r,
         a.dweights);
   }
-  MlpGrads routed{a.xs,      a.gu,    a.dy_routed, a.w_gate, a.w_up, a.w_down,
+  MlpGrads routed{a.xs,      gu,      a.dy_routed, a.w_gate, a.w_up, a.w_down,
                   a.offsets, a.block_m, E,         a.R,      a.H,    a.I,
                   a.dgu,     a.h,     a.dx_routed, a.dw_gate, a.dw_up, a.dw_down};
   if (auto err = LaunchMlpBackward(routed, stream)) return err;
   if (a.Is > 0) {
-    MlpGrads shared{a.x,          a.gu_shared, a.dy,        a.ws_gate,  a.ws_up, a.ws_down,
+    MlpGrads shared{a.x,          gu_shared,   a.dy,        a.ws_gate,  a.ws_up, a.ws_down,
                     nullptr,      128,         1,           a.T,        a.H,     a.Is,
                     a.dgu_shared, a.h_shared,  a.dx_shared, a.dws_gate, a.dws_up, a.dws_down};
     if (auto err = LaunchMlpBackward(shared, stream)) return err;

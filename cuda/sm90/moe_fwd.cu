@@ -4,6 +4,7 @@
 
 #include "../launch.h"
 #include "combine.cuh"
+#include "expert_mlp.cuh"
 #include "gather.cuh"
 #include "gemm_launch.cuh"
 #include "layout.cuh"
@@ -27,10 +28,8 @@ const char* LaunchExpertMlp(const void* x_rows, const void* w_gate, const void* 
                             cudaStream_t stream) {
   GemmParams p{};
   p.offsets = offsets, p.block_m = block_m, p.groups = groups, p.m_total = m;
-  p.n = static_cast<int>(I), p.k = static_cast<int>(H), p.k_split = p.k, p.n_split = p.n;
-  p.out0 = gu, p.out1 = h;
-  const Matrix w_gate_m{w_gate, I, groups * H}, w_up_m{w_up, I, groups * H};
-  if (auto err = sm90::LaunchGemm<sm90::FwdGateUp>(p, {x_rows, H, m}, w_gate_m, w_up_m, stream))
+  if (auto err = sm90::LaunchGateUp(x_rows, w_gate, w_up, offsets, block_m, groups, m, H, I, gu,
+                                    h, stream))
     return err;
   p.n = static_cast<int>(H), p.k = static_cast<int>(I), p.k_split = p.k, p.n_split = p.n;
   p.out0 = y, p.out1 = y;
