@@ -1,6 +1,8 @@
 // Launch of the forward on one GPU: layout -> gather -> GEMM1 (gate|up, SwiGLU) -> GEMM2 ->
 // combine, all enqueued on XLA's stream with no host synchronisation.
+#include <cstdlib>
 #include <mutex>
+#include <string>
 
 #include "../launch.h"
 #include "combine.cuh"
@@ -20,17 +22,48 @@ namespace {
 
 const char* Check(cudaError_t e) { return e == cudaSuccess ? nullptr : cudaGetErrorString(e); }
 
-// Expert MLPs over the row groups of `offsets` (null: one group of m rows): gu, h and y.
+// MOK_FWD_SKIP, a diagnostic: the stages named in it (comma-separated) are left out, so that
+// timing the forward without each one shows where its time goes; the results are then wrong.
+// The layout cannot be left out, since every later stage reads it: time it alone by leaving out
+// all the others.
+struct Skip {
+  bool gather = false, gemm1 = false, gemm2 = false, shared = false, combine = false;
+};
+
+const char* ReadSkip(Skip* skip) {
+  const char* env = std::getenv("MOK_FWD_SKIP");
+  if (!env) return nullptr;
+  std::string list(env);
+  for (size_t begin = 0; begin <= list.size();) {
+    size_t end = list.find(',', begin);
+    if (end == std::string::npos) end = list.size();
+    const std::string name = list.substr(begin, end - begin);
+    if (name == "gather") skip->gather = true;
+    else if (name == "gemm1") skip->gemm1 = true;
+    else if (name == "gemm2") skip->gemm2 = true;
+    else if (name == "shared") skip->shared = true;
+    else if (name == "combine") skip->combine = true;
+    else if (!name.empty())
+      return "MOK_FWD_SKIP names stages among gather, gemm1, gemm2, shared, combine";
+    begin = end + 1;
+  }
+  return nullptr;
+}
+
+// Expert MLPs over the row groups of `offsets` (null: one group of m rows): gu and h (GEMM1),
+// then y (GEMM2).
 const char* LaunchExpertMlp(const void* x_rows, const void* w_gate, const void* w_up,
                             const void* w_down, const int32_t* offsets, int block_m,
-                            int groups, int64_t m,
-                            int64_t H, int64_t I, void* gu, void* h, void* y,
-                            cudaStream_t stream) {
+                            int groups, int64_t m, int64_t H, int64_t I, void* gu, void* h,
+                            void* y, bool gemm1, bool gemm2, cudaStream_t stream) {
+  if (gemm1) {
+    if (auto err = sm90::LaunchGateUp(x_rows, w_gate, w_up, offsets, block_m, groups, m, H, I,
+                                      gu, h, stream))
+      return err;
+  }
+  if (!gemm2) return nullptr;
   GemmParams p{};
   p.offsets = offsets, p.block_m = block_m, p.groups = groups, p.m_total = m;
-  if (auto err = sm90::LaunchGateUp(x_rows, w_gate, w_up, offsets, block_m, groups, m, H, I, gu,
-                                    h, stream))
-    return err;
   p.n = static_cast<int>(H), p.k = static_cast<int>(I), p.k_split = p.k, p.n_split = p.n;
   p.out0 = y, p.out1 = y;
   return sm90::LaunchGemm<sm90::FwdDown>(p, {h, I, m}, {w_down, H, groups * I}, {}, stream);
@@ -46,6 +79,8 @@ const char* LaunchMoeFwd(const MoeFwdArgs& a, cudaStream_t stream) {
     return "T * k and the routed rows must stay below 2^31";
   const int E = static_cast<int>(a.E), k = static_cast<int>(a.k);
   const int64_t chunks = CeilDiv(routes, sm90::kLayoutChunk);
+  Skip skip;
+  if (auto err = ReadSkip(&skip)) return err;
 
   // 1. Layout.
   if (auto err = Check(cudaMemsetAsync(a.rows, 0xff, a.R * sizeof(int32_t), stream))) return err;
@@ -65,17 +100,21 @@ const char* LaunchMoeFwd(const MoeFwdArgs& a, cudaStream_t stream) {
   sm90::LayoutPositionsKernel<<<chunks, sm90::kLayoutChunk, 0, stream>>>(
       a.experts, routes, E, a.layout, a.offsets, a.pos, a.rows);
   // 2. Gather the routed token rows (zeros for padding rows).
-  sm90::GatherKernel<<<CeilDiv(a.R, 8), 256, 0, stream>>>(
-      static_cast<const uint4*>(a.x), a.rows, a.offsets + E, k, static_cast<int>(a.H / 8),
-      static_cast<uint4*>(a.xs));
+  if (!skip.gather) {
+    sm90::GatherKernel<<<CeilDiv(a.R, 8), 256, 0, stream>>>(
+        static_cast<const uint4*>(a.x), a.rows, a.offsets + E, k, static_cast<int>(a.H / 8),
+        static_cast<uint4*>(a.xs));
+  }
   // 3. Expert MLPs: gu and h = silu(g) * u, then y_routed = h @ w_down.
   if (auto err = LaunchExpertMlp(a.xs, a.w_gate, a.w_up, a.w_down, a.offsets, a.block_m, E,
-                                 a.R, a.H, a.I, a.gu, a.h, a.y_routed, stream))
+                                 a.R, a.H, a.I, a.gu, a.h, a.y_routed, !skip.gemm1, !skip.gemm2,
+                                 stream))
     return err;
   // 4. The shared expert: one group of T rows read straight from x.
-  if (a.Is > 0) {
+  if (a.Is > 0 && !skip.shared) {
     if (auto err = LaunchExpertMlp(a.x, a.ws_gate, a.ws_up, a.ws_down, nullptr, 128, 1, a.T,
-                                   a.H, a.Is, a.gu_shared, a.h_shared, a.y_shared, stream))
+                                   a.H, a.Is, a.gu_shared, a.h_shared, a.y_shared, true, true,
+                                   stream))
       return err;
   }
   // 5. Combine.
@@ -84,6 +123,7 @@ const char* LaunchMoeFwd(const MoeFwdArgs& a, cudaStream_t stream) {
   const auto* y_shared = a.Is > 0 ? static_cast<const bf16*>(a.y_shared) : nullptr;
   const unsigned combine_ctas = static_cast<unsigned>(CeilDiv(a.T, 8));
   const int H = static_cast<int>(a.H);
+  if (skip.combine) return Check(cudaGetLastError());
   if (a.y_f32) {
     sm90::CombineKernel<bf16, float><<<combine_ctas, 256, 0, stream>>>(
         y_routed, y_shared, a.pos, a.weights, a.T, k, H, static_cast<float*>(a.y));
