@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
+import os
+import subprocess
+import sys
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import pytest
 
 import mok_jax
+from mok_jax import ops
 
 BF16 = jnp.dtype(jnp.bfloat16)
 F32 = jnp.dtype(jnp.float32)
@@ -45,6 +53,10 @@ class Case(NamedTuple):
   def args(self):
     return (self.x, self.experts, self.weights, self.w_gate, self.w_up, self.w_down)
 
+  def params(self):
+    """The differentiable arguments, in the order grad_fn takes them."""
+    return (self.x, self.weights, self.w_gate, self.w_up, self.w_down, self.shared)
+
 
 def distinct_experts(rng, T, k, E):
   """(T, k) ids, k distinct experts per token, uniformly at random."""
@@ -73,13 +85,10 @@ def make_case(T=24, H=16, I=8, E=4, k=2, Is=None, dtype=F32, seed=0, experts=Non
   return Case(x, experts, weights, w_gate, w_up, w_down, shared, dy)
 
 
-def loss_and_grads(case: Case, backend, config=None, jit=True):
-  """y and the gradients of sum(dy * y) w.r.t. x, weights, w_gate, w_up, w_down, shared.
-
-  Returns (y, grads) as NumPy arrays; grads is a dict keyed by GRAD_NAMES (shared ones only
-  with a shared expert). `experts` is closed over as a constant, so NumPy ids of any integer
-  dtype reach `mok_jax.moe` unconverted.
-  """
+def grad_fn(case: Case, backend, config=None):
+  """value_and_grad of sum(dy * y), with y as aux, w.r.t. `case.params()` (x, weights, w_gate,
+  w_up, w_down, shared). `experts` is closed over as a constant, so NumPy ids of any integer
+  dtype reach `mok_jax.moe` unconverted."""
   experts = case.experts
 
   def loss(x, weights, w_gate, w_up, w_down, shared):
@@ -87,14 +96,24 @@ def loss_and_grads(case: Case, backend, config=None, jit=True):
                     backend=backend)
     return jnp.sum(y.astype(jnp.float32) * case.dy), y
 
-  f = jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True)
+  return jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True)
+
+
+def named_grads(case: Case, grads) -> dict:
+  """grad_fn's gradients keyed by GRAD_NAMES (shared ones only with a shared expert)."""
+  named = dict(zip(GRAD_NAMES[:5], grads[:5]))
+  if case.shared is not None:
+    named.update(zip(GRAD_NAMES[5:], grads[5]))
+  return named
+
+
+def loss_and_grads(case: Case, backend, config=None, jit=True):
+  """y and the gradients of sum(dy * y), as NumPy arrays: (y, dict keyed by GRAD_NAMES)."""
+  f = grad_fn(case, backend, config)
   if jit:
     f = jax.jit(f)
-  (_, y), g = f(case.x, case.weights, case.w_gate, case.w_up, case.w_down, case.shared)
-  grads = dict(zip(GRAD_NAMES[:5], g[:5]))
-  if case.shared is not None:
-    grads.update(zip(GRAD_NAMES[5:], g[5]))
-  return np.asarray(y), {name: np.asarray(v) for name, v in grads.items()}
+  (_, y), g = f(*case.params())
+  return np.asarray(y), {name: np.asarray(v) for name, v in named_grads(case, g).items()}
 
 
 def oracle_grads_dict(grads) -> dict:
@@ -167,3 +186,64 @@ def cuda_routing(name, T=700, E=8, k=3, seed=1):
   else:
     raise ValueError(name)
   return ids
+
+
+def per_block_m(params):
+  """pytest params: each of `params` (a value or a tuple of values) followed by each block_m the
+  CUDA kernel takes. The block_ms of one case come one after another, so a test can cache what
+  does not depend on block_m (the oracle, the XLA backend) for just one case at a time."""
+  out = []
+  for p in params:
+    values = p if isinstance(p, tuple) else (p,)
+    name = "-".join(map(str, values))
+    out += [pytest.param(*values, b, id=f"{name}-block_m{b}") for b in ops.CUDA_BLOCK_MS]
+  return out
+
+
+# CUDA-graph capture of the custom calls (DESIGN.md, Testing), and XLA without command buffers.
+COMMAND_BUFFER_FLAGS = ("--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL "
+                        "--xla_gpu_graph_min_graph_size=1")
+NO_COMMAND_BUFFER_FLAGS = "--xla_gpu_enable_command_buffer="
+# Calls of one executable: with command buffers on, the later ones replay the captured graph,
+# whose device counters must have been advanced by the kernels themselves.
+REPLAYS = 3
+
+
+def digest(a) -> str:
+  a = np.asarray(a)
+  return hashlib.sha256(repr((a.dtype.str, a.shape)).encode() + a.tobytes()).hexdigest()
+
+
+def cuda_digests() -> dict:
+  """sha256 of every output of the CUDA backend on one case (a shared expert, tails of every
+  tile), for each block_m: {str(block_m): {"fwd": [{"y"}] * REPLAYS, "grad": [{"loss", "y",
+  "x", "weights", ...}] * REPLAYS}}, "fwd" from a jitted forward and "grad" from a jitted
+  value_and_grad, each executable called REPLAYS times."""
+  case = make_case(2048, 512, 256, 64, 6, Is=128, dtype=BF16, seed=7)
+  out = {}
+  for block_m in ops.CUDA_BLOCK_MS:
+    config = mok_jax.Config(block_m=block_m)
+    fwd = jax.jit(functools.partial(mok_jax.moe, shared=case.shared, config=config,
+                                    backend="cuda"))
+    grad = jax.jit(grad_fn(case, "cuda", config))
+    runs = {"fwd": [], "grad": []}
+    for _ in range(REPLAYS):
+      runs["fwd"].append({"y": digest(fwd(*case.args()))})
+      (loss, y), g = grad(*case.params())
+      runs["grad"].append({"loss": digest(loss), "y": digest(y),
+                           **{name: digest(v) for name, v in named_grads(case, g).items()}})
+    out[str(block_m)] = runs
+  return out
+
+
+@functools.cache
+def cuda_digests_with(xla_flags: str) -> dict:
+  """cuda_digests() in a fresh process with XLA_FLAGS=xla_flags (XLA reads them once, when JAX
+  starts its backends); one process per flags for the forward and the backward tests."""
+  env = dict(os.environ, XLA_FLAGS=xla_flags)
+  here = os.path.dirname(os.path.abspath(__file__))  # for `import cases`
+  done = subprocess.run(
+      [sys.executable, "-c", "import json, cases; print(json.dumps(cases.cuda_digests()))"],
+      env=env, cwd=here, capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, f"XLA_FLAGS={xla_flags}: {done.stderr[-4000:]}"
+  return json.loads(done.stdout.strip().splitlines()[-1])

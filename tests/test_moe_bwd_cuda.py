@@ -1,5 +1,6 @@
 """The CUDA backward (mok_moe_bwd on platform CUDA): every gradient against the float64 oracle
-and the XLA backend, with a cosine-similarity floor, and bitwise repeatable."""
+and the XLA backend, with a cosine-similarity floor, for every block_m the kernel takes
+(ops.CUDA_BLOCK_MS); bitwise repeatable, with and without CUDA graphs."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from jax.sharding import Mesh, PartitionSpec as P
 import mok_jax
 from mok_jax import ops
 import oracle
-from cases import (BF16, BF16_GRAD_RTOL, CUDA_SHAPES, assert_close, bits, cuda_routing,
-                   loss_and_grads, make_case, oracle_grads_dict)
+from cases import (BF16, BF16_GRAD_RTOL, COMMAND_BUFFER_FLAGS, CUDA_SHAPES, GRAD_NAMES,
+                   NO_COMMAND_BUFFER_FLAGS, REPLAYS, assert_close, bits, cuda_digests_with,
+                   cuda_routing, loss_and_grads, make_case, oracle_grads_dict, per_block_m)
 
 pytestmark = pytest.mark.gpu
 
@@ -31,42 +33,69 @@ def cosine(a, b):
   return float(a @ b / (na * nb))
 
 
-def check_grads(case):
-  _, got = loss_and_grads(case, "cuda")
+@functools.lru_cache(maxsize=1)  # per_block_m runs the block_ms of a case one after another
+def expected(T, H, I, E, k, Is, seed, routing=None):
+  """(case, the oracle's gradients, the XLA backend's): what the kernel must match for any
+  block_m. routing: a name of cases.cuda_routing, or None for distinct random experts."""
+  experts = None if routing is None else cuda_routing(routing, T, E, k, seed=2)
+  case = make_case(T, H, I, E, k, Is=Is, dtype=BF16, seed=seed, experts=experts)
   want = oracle_grads_dict(oracle.moe_grads(case.dy, *case.args(), case.shared, round_to=BF16))
-  _, xla = loss_and_grads(case, "xla")
+  return case, want, loss_and_grads(case, "xla")[1]
+
+
+def check_grads(expected_, block_m):
+  """Checks the CUDA kernel's gradients; returns them."""
+  case, want, xla = expected_
+  _, got = loss_and_grads(case, "cuda", mok_jax.Config(block_m=block_m))
   for name in want:
     g = got[name].astype(np.float32)
-    assert_close(g, want[name], BF16_GRAD_RTOL, f"d{name} vs oracle")
-    assert_close(g, xla[name].astype(np.float32), BF16_GRAD_RTOL, f"d{name} vs xla")
-    assert cosine(g, want[name]) >= COSINE_FLOOR, (name, cosine(g, want[name]))
+    what = f"d{name}, block_m {block_m}"
+    assert_close(g, want[name], BF16_GRAD_RTOL, f"{what} vs oracle")
+    assert_close(g, xla[name].astype(np.float32), BF16_GRAD_RTOL, f"{what} vs xla")
+    assert cosine(g, want[name]) >= COSINE_FLOOR, (what, cosine(g, want[name]))
+  return got
 
 
-@pytest.mark.parametrize("T,H,I,E,k,Is", CUDA_SHAPES)
-def test_gradients_match_oracle(T, H, I, E, k, Is):
-  check_grads(make_case(T, H, I, E, k, Is=Is, dtype=BF16, seed=T + 1))
+@pytest.mark.parametrize("T,H,I,E,k,Is,block_m", per_block_m(CUDA_SHAPES))
+def test_gradients_match_oracle(T, H, I, E, k, Is, block_m):
+  check_grads(expected(T, H, I, E, k, Is, seed=T + 1), block_m)
 
 
-@pytest.mark.parametrize("name", ["one_expert", "empty_experts", "out_of_range"])
-def test_adversarial_routing(name):
-  T, E, k = 700, 8, 3
-  ids = cuda_routing(name, T, E, k, seed=2)
-  case = make_case(T, 128, 192, E, k, dtype=BF16, seed=3, experts=ids)
-  check_grads(case)
+@pytest.mark.parametrize("name,block_m", per_block_m(("one_expert", "empty_experts",
+                                                      "out_of_range")))
+def test_adversarial_routing(name, block_m):
+  E = 8
+  want = expected(700, 128, 192, E, 3, 0, seed=3, routing=name)
+  got = check_grads(want, block_m)
   if name != "out_of_range":
-    _, got = loss_and_grads(case, "cuda")
+    ids = want[0].experts
     unused = [e for e in range(E) if not (ids == e).any()]
     for e in unused:  # empty experts get exactly zero weight gradients
       assert not np.any(got["w_gate"][e]) and not np.any(got["w_down"][e])
 
 
-def test_bitwise_deterministic():
+@pytest.mark.parametrize("block_m", ops.CUDA_BLOCK_MS)
+def test_bitwise_deterministic(block_m):
   case = make_case(4096, 512, 256, 64, 8, Is=128, dtype=BF16, seed=5)
-  _, first = loss_and_grads(case, "cuda")
+  config = mok_jax.Config(block_m=block_m)
+  _, first = loss_and_grads(case, "cuda", config)
   for _ in range(2):
-    _, again = loss_and_grads(case, "cuda")
+    _, again = loss_and_grads(case, "cuda", config)
     for name in first:
       assert bits(first[name]) == bits(again[name]), name
+
+
+@pytest.mark.parametrize("block_m", ops.CUDA_BLOCK_MS)
+def test_same_bits_with_command_buffers(block_m):
+  """The loss, y and every gradient of jitted value_and_grad calls: the same bits on every
+  replay of the captured graph as without command buffers."""
+  plain = cuda_digests_with(NO_COMMAND_BUFFER_FLAGS)[str(block_m)]["grad"]
+  graphs = cuda_digests_with(COMMAND_BUFFER_FLAGS)[str(block_m)]["grad"]
+  assert set(plain[0]) == {"loss", "y", *GRAD_NAMES}, plain[0].keys()
+  assert plain == [plain[0]] * REPLAYS, plain
+  for i, replay in enumerate(graphs):
+    differ = sorted(name for name in plain[0] if replay[name] != plain[0][name])
+    assert not differ, f"call {i} with command buffers: different bits in {differ}"
 
 
 def test_f32_partial_output_under_shard_map():

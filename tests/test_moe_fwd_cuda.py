@@ -1,15 +1,14 @@
 """The CUDA forward (mok_moe_fwd on platform CUDA) against the float64 oracle and the XLA backend.
 
 bf16 tolerances are those of tests/cases.py. Layout residuals (pos, offsets, rows) are integer
-and must equal, element for element, the layout written out in NumPy below.
+and must equal, element for element, the layout written out in NumPy below. Every block_m the
+kernel takes (ops.CUDA_BLOCK_MS) is tested: with 64, an expert's last 128-row tile may be half
+full and the next expert starts right after it.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +18,9 @@ import pytest
 import mok_jax
 from mok_jax import ops
 import oracle
-from cases import (BF16, BF16_GRAD_RTOL, BF16_RTOL, CUDA_ROUTINGS, CUDA_SHAPES, assert_close,
-                   bits, cuda_routing, loss_and_grads, make_case)
+from cases import (BF16, BF16_GRAD_RTOL, BF16_RTOL, COMMAND_BUFFER_FLAGS, CUDA_ROUTINGS,
+                   CUDA_SHAPES, NO_COMMAND_BUFFER_FLAGS, REPLAYS, assert_close, bits,
+                   cuda_digests_with, cuda_routing, loss_and_grads, make_case, per_block_m)
 
 pytestmark = pytest.mark.gpu
 
@@ -46,49 +46,60 @@ def numpy_layout(experts, E, block_m=BLOCK_M):
   return pos.reshape(T, k), offsets, rows
 
 
-def forward(case, backend="cuda"):
-  f = jax.jit(lambda *a: mok_jax.moe(*a, shared=case.shared, backend=backend))
+def forward(case, backend="cuda", config=None):
+  f = jax.jit(lambda *a: mok_jax.moe(*a, shared=case.shared, config=config, backend=backend))
   return np.asarray(f(*case.args()).astype(jnp.float32))
 
 
-def check_against_oracle(case):
-  y = forward(case)
-  want = oracle.moe(*case.args(), case.shared, round_to=BF16)
-  assert_close(y, want, BF16_RTOL, "y vs oracle")
-  assert_close(y, forward(case, "xla"), BF16_RTOL, "y vs xla backend")
+@functools.lru_cache(maxsize=1)  # per_block_m runs the block_ms of a case one after another
+def expected(T, H, I, E, k, Is, seed, routing=None):
+  """(case, the oracle's y, the XLA backend's y): what the kernel must match for any block_m.
+  routing: a name of cases.cuda_routing, or None for distinct random experts."""
+  experts = None if routing is None else cuda_routing(routing, T, E, k)
+  case = make_case(T, H, I, E, k, Is=Is, dtype=BF16, seed=seed, experts=experts)
+  return case, oracle.moe(*case.args(), case.shared, round_to=BF16), forward(case, "xla")
+
+
+def check_against_oracle(expected_, block_m):
+  case, want, xla = expected_
+  y = forward(case, config=mok_jax.Config(block_m=block_m))
+  assert_close(y, want, BF16_RTOL, f"y vs oracle, block_m {block_m}")
+  assert_close(y, xla, BF16_RTOL, f"y vs xla backend, block_m {block_m}")
 
 
 SHAPES = CUDA_SHAPES + ((4096, 1024, 512, 128, 8, 0),)
 
 
-@pytest.mark.parametrize("T,H,I,E,k,Is", SHAPES)
-def test_forward_matches_oracle(T, H, I, E, k, Is):
-  check_against_oracle(make_case(T, H, I, E, k, Is=Is, dtype=BF16, seed=T))
+@pytest.mark.parametrize("T,H,I,E,k,Is,block_m", per_block_m(SHAPES))
+def test_forward_matches_oracle(T, H, I, E, k, Is, block_m):
+  check_against_oracle(expected(T, H, I, E, k, Is, seed=T), block_m)
 
 
-@pytest.mark.parametrize("name", CUDA_ROUTINGS)
-def test_adversarial_routing(name):
-  ids = cuda_routing(name)
-  case = make_case(700, 128, 192, 8, 3, dtype=BF16, seed=3, experts=ids)
-  check_against_oracle(case)
+@pytest.mark.parametrize("name,block_m", per_block_m(CUDA_ROUTINGS))
+def test_adversarial_routing(name, block_m):
+  check_against_oracle(expected(700, 128, 192, 8, 3, 0, seed=3, routing=name), block_m)
 
 
-def test_layout_residuals_are_exact():
+@pytest.mark.parametrize("block_m", ops.CUDA_BLOCK_MS)
+def test_layout_residuals_are_exact(block_m):
   ids = cuda_routing("out_of_range", T=3000, E=40, k=5)
   case = make_case(3000, 64, 64, 40, 5, dtype=BF16, seed=4, experts=ids.astype(np.int32))
   local = jnp.asarray(np.where((ids >= 0) & (ids < 40), ids, -1), jnp.int32)
-  _, res = jax.jit(lambda *a: ops.moe_fwd(*a, out_dtype=BF16, block_m=BLOCK_M))(
+  _, res = jax.jit(lambda *a: ops.moe_fwd(*a, out_dtype=BF16, block_m=block_m))(
       case.x, local, case.weights, case.w_gate, case.w_up, case.w_down)
-  pos, offsets, rows = numpy_layout(ids, 40)
+  pos, offsets, rows = numpy_layout(ids, 40, block_m)
+  if block_m < 128:  # the case this block_m exists for: an expert ending in a half tile
+    assert np.any(np.diff(offsets) % 128), np.diff(offsets)
   np.testing.assert_array_equal(np.asarray(res.pos), pos)
   np.testing.assert_array_equal(np.asarray(res.offsets), offsets)
   used = offsets[-1]
   np.testing.assert_array_equal(np.asarray(res.rows)[:used], rows[:used])
 
 
-def test_bitwise_deterministic():
+@pytest.mark.parametrize("block_m", ops.CUDA_BLOCK_MS)
+def test_bitwise_deterministic(block_m):
   case = make_case(4096, 512, 256, 64, 8, Is=128, dtype=BF16, seed=5)
-  f = jax.jit(lambda *a: ops.moe_fwd(*a, case.shared, out_dtype=BF16, block_m=BLOCK_M))
+  f = jax.jit(lambda *a: ops.moe_fwd(*a, case.shared, out_dtype=BF16, block_m=block_m))
   local = jnp.asarray(case.experts, jnp.int32)
   args = (case.x, local, case.weights, case.w_gate, case.w_up, case.w_down)
   first = jax.tree.map(np.asarray, f(*args))
@@ -98,32 +109,12 @@ def test_bitwise_deterministic():
       assert bits(a) == bits(b)
 
 
-_CMD_BUFFER_SCRIPT = textwrap.dedent("""
-    import hashlib, sys
-    import jax, numpy as np
-    import mok_jax
-    from cases import BF16, make_case
-    case = make_case(2048, 512, 256, 64, 6, Is=128, dtype=BF16, seed=7)
-    f = jax.jit(lambda *a: mok_jax.moe(*a, shared=case.shared, backend="cuda"))
-    for _ in range(3):  # replays of the captured graph
-      y = np.asarray(f(*case.args()))
-    print(hashlib.sha256(y.tobytes()).hexdigest())
-""")
-
-
-def run_script(flags):
-  env = dict(os.environ, XLA_FLAGS=flags)
-  here = os.path.dirname(os.path.abspath(__file__))  # for `import cases`
-  out = subprocess.run([sys.executable, "-c", _CMD_BUFFER_SCRIPT], env=env, cwd=here,
-                       capture_output=True, text=True, check=True)
-  return out.stdout.strip().splitlines()[-1]
-
-
-def test_same_bits_with_command_buffers():
-  plain = run_script("--xla_gpu_enable_command_buffer=")
-  graphs = run_script(
-      "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1")
-  assert plain == graphs
+@pytest.mark.parametrize("block_m", ops.CUDA_BLOCK_MS)
+def test_same_bits_with_command_buffers(block_m):
+  plain = cuda_digests_with(NO_COMMAND_BUFFER_FLAGS)[str(block_m)]["fwd"]
+  graphs = cuda_digests_with(COMMAND_BUFFER_FLAGS)[str(block_m)]["fwd"]
+  assert plain == [plain[0]] * REPLAYS, plain
+  assert graphs == plain
 
 
 def test_scan_over_layers():
