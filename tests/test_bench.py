@@ -9,6 +9,7 @@ given a GPU, so its row must say why it did not run.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -17,7 +18,9 @@ import textwrap
 
 import pytest
 
+from mok_jax.bench import __main__ as bench_main
 from mok_jax.bench import report, runner, shapes, timing
+from mok_jax.bench.shapes import SKIP_ENV
 
 
 def expected_flops(T, H, I, E, k, Is, mode):
@@ -287,6 +290,90 @@ def test_failed_backward_and_good_forward_both_in_json(tmp_path):
   assert rows["fwd+bwd"]["status"] == "error" and "ms" not in rows["fwd+bwd"]
   assert "backward not supported" in rows["fwd+bwd"]["reason"]
   assert "error [" in proc.stdout and "backward not supported" in proc.stdout
+
+
+def test_breakdown_tiny_reports_cuda_unavailable(tmp_path):
+  """--breakdown --tiny on a CPU: no CUDA kernel, so every variant of the forward is a row that
+  says why, in the JSON and in the table, and the run exits 1 (nothing measured)."""
+  out = tmp_path / "out" / "bench.jsonl"
+  proc = subprocess.run([sys.executable, "-m", "mok_jax.bench", "--breakdown", "--tiny",
+                         "--out", str(out)], cwd=REPO, env=_env(), capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 1, proc.stdout + proc.stderr
+  assert "Traceback" not in proc.stderr, proc.stderr
+  records = [json.loads(line) for line in out.read_text().splitlines()]
+  shape = shapes.TINY[0]
+  assert [r["mode"] for r in records] == ["fwd"] + [f"fwd-skip-{s}" for s in
+                                                    ("layout", "gather", "gemm1", "gemm2",
+                                                     "combine")]
+  assert [r["skip"] for r in records] == [None, "layout", "gather", "gemm1", "gemm2", "combine"]
+  assert len({r["run_id"] for r in records}) == 1
+  for r in records:
+    assert r["kind"] == "breakdown" and r["impl"] == "mok_jax:cuda" and r["shape"] == "tiny"
+    assert r["status"] == "unavailable" and "not a CUDA GPU" in r["reason"], r
+    assert "ms" not in r and r["flops"] == shape.flops("fwd")
+  assert "== forward stage breakdown (mok_jax:cuda)" in proc.stdout
+  row = next(line for line in proc.stdout.splitlines() if line.startswith("tiny "))
+  assert row.split()[-1] == "-" and row.count("n/a [1]") == 6, row  # no shared stage, no sum
+  assert "[1] JAX's default backend is 'cpu', not a CUDA GPU" in proc.stdout
+  assert out.with_suffix(".txt").read_text().strip() == proc.stdout.strip()
+  assert not out.with_name("bench.partial.jsonl").exists()
+
+
+def test_breakdown_times_every_variant_in_a_worker(tmp_path, monkeypatch):
+  """The breakdown through a real worker on the CPU, with the C++ target in place of the CUDA
+  kernel (it does not read MOK_FWD_SKIP, so every variant runs the whole forward): each variant
+  is timed with MOK_FWD_SKIP naming its stage, none for the full forward even when the caller
+  set one, and the table subtracts each variant's median from the full one."""
+  for name, value in _env().items():
+    monkeypatch.setenv(name, value)
+  monkeypatch.setenv(SKIP_ENV, "gather")
+  monkeypatch.setattr(runner, "BREAKDOWN_IMPL", "mok_jax:ffi")
+  shape = dataclasses.replace(shapes.TINY[0], Is=64)
+  opts = runner.Options(shapes=[shape], impls="", modes=[], dtype="auto", seed=0, skew=0.0,
+                        sets=2, warmup=0, warmup_s=0.0, reps=2, min_reps=1, budget_s=0.5,
+                        peak_n=None, peak_warmup_s=0.0, isolate=True, mode_timeout_s=120.0,
+                        log_dir=str(tmp_path), breakdown=True)
+  records = runner.Runner(opts).run()
+  modes = shapes.breakdown_modes(shape)
+  assert modes == ["fwd"] + [f"fwd-skip-{s}" for s in shapes.FWD_STAGES]
+  assert [r["mode"] for r in records] == modes
+  for r in records:
+    assert r["status"] == "ok", r
+    assert r["kind"] == "breakdown" and r["impl"] == "mok_jax:ffi" and r["platform"] == "cpu"
+    assert r["worker_env"].get(SKIP_ENV) == r["skip"] == shapes.skipped_stage(r["mode"])
+    assert r["ms"]["n"] >= 1 and r["timing"]["calls_per_sample"] >= 1 and r["compile_s"] > 0
+    assert r["flops"] == shape.flops("fwd") and "check" not in r
+  derived = report.derive(records)
+  full = derived[0]
+  assert full["skip"] is None and "saved_ms" not in full
+  assert full["tflops"] == pytest.approx(shape.flops("fwd") / (full["ms"]["median"] * 1e-3) / 1e12)
+  for r in derived[1:]:
+    assert r["full_ms"] == full["ms"]["median"]
+    assert r["saved_ms"] == pytest.approx(full["ms"]["median"] - r["ms"]["median"])
+    assert r["saved_pct"] == pytest.approx(100 * r["saved_ms"] / full["ms"]["median"])
+  row = next(line for line in report.table(derived).splitlines() if line.startswith("tiny "))
+  cells = [f"{r['saved_ms']:.3f} {r['saved_pct']:.1f}%" for r in derived[1:]]
+  assert all(cell in row for cell in cells), (row, cells)
+
+
+def test_breakdown_modes():
+  assert shapes.breakdown_modes(shapes.TINY[0]) == [
+      "fwd", "fwd-skip-layout", "fwd-skip-gather", "fwd-skip-gemm1", "fwd-skip-gemm2",
+      "fwd-skip-combine"]
+  assert shapes.skipped_stage("fwd") is None
+  assert shapes.skipped_stage("fwd-skip-gemm2") == "gemm2"
+  for bad in ("fwd+bwd", "fwd-skip-", "fwd-skip-gemm3", "gemm1"):
+    with pytest.raises(ValueError, match="breakdown mode"):
+      shapes.skipped_stage(bad)
+
+
+@pytest.mark.parametrize("argv", [["--breakdown", "--impls", "cuda"],
+                                  ["--breakdown", "--modes", "fwd"]])
+def test_breakdown_rejects_impls_and_modes(argv, capsys):
+  with pytest.raises(SystemExit):
+    bench_main.parse_args(argv)
+  assert "--breakdown times the CUDA forward only" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("mode,factor", [("fwd", 1), ("fwd+bwd", 3)])

@@ -1,5 +1,6 @@
 """python -m mok_jax.bench [--shapes qwen3_30b,dsv3] [--shape T,H,I,E,k] [--tiny] [--skew [S]]
-[--shared Is] [--impls ...] [--out runs/bench/bench.jsonl]; --help lists every option."""
+[--shared Is] [--impls ...] [--breakdown] [--out runs/bench/bench.jsonl]; --help lists every
+option."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 from mok_jax.bench import report, runner, shapes
 from mok_jax.bench.jobs import DTYPES
 from mok_jax.bench.peers import ALIASES, IMPLS, resolve
-from mok_jax.bench.shapes import MODES
+from mok_jax.bench.shapes import FWD_STAGES, MODES, SKIP_ENV
 
 DEFAULT_OUT = os.path.join("runs", "bench", "bench.jsonl")
 # (full run, --tiny) defaults of the knobs that --tiny changes.
@@ -41,7 +42,12 @@ def parse_args(argv):
                  help=f"comma-separated implementations ({', '.join(IMPLS)}; aliases "
                  f"{', '.join(ALIASES)}); default: the mok_jax backends of the platform and "
                  "every peer")
-  p.add_argument("--modes", default=",".join(MODES), help="fwd, fwd+bwd or both (default)")
+  p.add_argument("--modes", default=None, help="fwd, fwd+bwd or both (default)")
+  p.add_argument("--breakdown", action="store_true",
+                 help="instead of comparing implementations: time the CUDA forward as it is and "
+                 f"with each of its stages ({', '.join(FWD_STAGES)}) skipped in turn ({SKIP_ENV}="
+                 "<stage>, read by the launcher on every call; the results are then wrong), and "
+                 "print what each stage costs; not with --impls or --modes")
   p.add_argument("--dtype", choices=DTYPES, default="auto",
                  help="auto: bf16 on a GPU, f32 on a CPU")
   p.add_argument("--seed", type=int, default=0)
@@ -90,7 +96,9 @@ def parse_args(argv):
   for name, (full, tiny) in DEFAULTS.items():
     if getattr(args, name) is None:
       setattr(args, name, tiny if args.tiny else full)
-  args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+  if args.breakdown and (args.impls or args.modes):
+    p.error("--breakdown times the CUDA forward only: --impls and --modes do not apply")
+  args.modes = [m.strip() for m in (args.modes or ",".join(MODES)).split(",") if m.strip()]
   for mode in args.modes:
     if mode not in MODES:
       p.error(f"--modes: unknown mode {mode!r}; known: {', '.join(MODES)}")
@@ -116,12 +124,11 @@ def _render(derived, args) -> str:
   with open(text_path, "w") as f:
     f.write(text + "\n")
   try:
-    drawn = report.chart(derived, png_path)
+    drawn = report.chart(derived, png_path) or "not drawn (no MoE records, or no matplotlib)"
   except Exception as exc:  # pylint: disable=broad-except  # a chart never loses the numbers
-    drawn = None
+    drawn = "not drawn (failed)"
     print(f"chart failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-  print(f"table: {text_path}; chart: {drawn or 'not drawn (matplotlib missing)'}",
-        file=sys.stderr)
+  print(f"table: {text_path}; chart: {drawn}", file=sys.stderr)
   return text
 
 
@@ -148,14 +155,14 @@ def main(argv=None) -> int:
       skew=args.skew, sets=args.sets, warmup=args.warmup, warmup_s=args.warmup_s,
       reps=args.reps, min_reps=args.min_reps, budget_s=args.budget_s, peak_n=args.peak_n,
       peak_warmup_s=args.peak_warmup_s, isolate=isolate, mode_timeout_s=args.mode_timeout,
-      log_dir=args.logs, partial_path=partial)
+      log_dir=args.logs, partial_path=partial, breakdown=args.breakdown)
   records = runner.Runner(opts).run()
   derived = report.derive(records)
   report.write_jsonl(derived, args.out)
   os.remove(partial)
   print(f"records: {args.out}", file=sys.stderr)
   print(_render(derived, args))
-  ok = any(r.get("kind") == "moe" and r.get("status") == "ok" for r in derived)
+  ok = any(r.get("kind") in ("moe", "breakdown") and r.get("status") == "ok" for r in derived)
   return 0 if ok else 1
 
 

@@ -13,11 +13,13 @@ import os
 import platform
 import subprocess
 
+from mok_jax.bench.shapes import SKIP_ENV
+
 PACKAGES = ("mok_jax", "jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "tokamax",
             "torch", "triton", "numpy")
 # Variables that change what the benchmark measures; recorded with every run.
 ENV_VARS = ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE",
-            "XLA_PYTHON_CLIENT_ALLOCATOR", "JAX_PLATFORMS", "CUDA_VISIBLE_DEVICES")
+            "XLA_PYTHON_CLIENT_ALLOCATOR", "JAX_PLATFORMS", "CUDA_VISIBLE_DEVICES", SKIP_ENV)
 
 
 def now() -> str:

@@ -1,5 +1,5 @@
-"""One benchmark job: the dense-matmul peak, or one implementation on one shape (its modes in
-order).
+"""One benchmark job: the dense-matmul peak, one implementation on one shape (its modes in
+order), or the stage breakdown of the CUDA forward on one shape (its variants as modes).
 
 `iter_job(job)` yields the job's events as they happen: {"event": "stage", "mode", "stage"} when
 a mode enters a stage (building inputs, compiling, first call, warm-up and timing), and
@@ -11,12 +11,13 @@ finished when a later one hangs, runs out of memory or kills the process. A fres
 job gives it its own peak-memory counter (JAX cannot reset one), lets a crash or a poisoned
 CUDA context take down only its own modes, and keeps PyTorch off JAX's preallocated pool.
 
-A job is a dict: kind ("peak" | "moe"), impl, shape (Shape fields), modes, dtype ("auto" |
-"bf16" | "f32"), seed, skew, sets, warmup, warmup_s, reps, min_reps, budget_s, peak_n (None: by
-platform), peak_warmup_s. A record holds mode, status ("ok", "oom", "error", "unavailable") and,
-when ok, ms (median, min, max, p25, p75, mean, n), timing (how the samples were taken),
-compile_s and the output's checksums. Whatever fails is caught and becomes a record with its
-reason.
+A job is a dict: kind ("peak" | "moe" | "breakdown"), impl, shape (Shape fields), modes, dtype
+("auto" | "bf16" | "f32"), seed, skew, sets, warmup, warmup_s, reps, min_reps, budget_s, peak_n
+(None: by platform), peak_warmup_s; a breakdown's modes are shapes.breakdown_modes (the forward,
+then the forward with one stage skipped each). A record holds mode, status ("ok", "oom",
+"error", "unavailable") and, when ok, ms (median, min, max, p25, p75, mean, n), timing (how the
+samples were taken), compile_s and (but for a breakdown, whose skipping modes compute wrong
+results) the output's checksums. Whatever fails is caught and becomes a record with its reason.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from mok_jax.bench import env, inputs, peers, timing
-from mok_jax.bench.shapes import Shape
+from mok_jax.bench.shapes import SKIP_ENV, Shape, skipped_stage
 
 DTYPES = ("auto", "bf16", "f32")
 # Dense peak sizes when the job leaves peak_n to the platform: 8192^3 saturates an H100/H200
@@ -90,6 +91,8 @@ def iter_job(job: dict):
       source = torch_peer.run(job)
     elif job["kind"] == "peak":
       source = _run_peak(job)
+    elif job["kind"] == "breakdown":
+      source = _run_breakdown(job)
     else:
       source = _run_jax_moe(job)
     for event in source:
@@ -160,8 +163,9 @@ def _run_peak(job: dict):
   yield _record_event(record, device)
 
 
-def _run_jax_moe(job: dict):
-  device, dtype = _jax_device_and_dtype(job)
+def _prepare(job: dict, device: dict, dtype: str):
+  """The job's JAX implementation and inputs, yielding stage events: returns (layer, note,
+  params, sets, common record fields), or None after a failed record for every mode."""
   shape = Shape(**job["shape"])
   modes = job["modes"]
   common = {"dtype": dtype}
@@ -174,10 +178,10 @@ def _run_jax_moe(job: dict):
     layer, note = peers.jax_layer(job["impl"], shape, _jnp_dtype(dtype))
   except peers.Unavailable as exc:
     yield from fail_all("unavailable", str(exc))
-    return
+    return None
   except Exception as exc:  # pylint: disable=broad-except
     yield from fail_all(peers.failure_status(exc), peers.describe_exception(exc))
-    return
+    return None
   try:
     yield stage(modes[0], "building inputs")
     params, sets = inputs.jax_inputs(shape, _jnp_dtype(dtype), job["seed"], job["skew"],
@@ -185,14 +189,81 @@ def _run_jax_moe(job: dict):
   except Exception as exc:  # pylint: disable=broad-except
     yield from fail_all(peers.failure_status(exc),
                         "building inputs: " + peers.describe_exception(exc))
-    return
+    return None
   common["load"] = inputs.load_stats(sets[0][1], shape.E)
-  for mode in modes:
+  return layer, note, params, sets, common
+
+
+def _run_jax_moe(job: dict):
+  device, dtype = _jax_device_and_dtype(job)
+  prepared = yield from _prepare(job, device, dtype)
+  if prepared is None:
+    return
+  layer, note, params, sets, common = prepared
+  for mode in job["modes"]:
     record = dict(mode=mode, note=note.get(mode) if isinstance(note, dict) else note, **common)
     record.update((yield from _time_jax_mode(job, layer, params, sets, mode)))
     record["peak_mem_bytes"] = _peak_bytes()
     gc.collect()
     yield _record_event(record, device)
+
+
+def _run_breakdown(job: dict):
+  """The forward as it is (mode "fwd"), then with one stage skipped per mode: SKIP_ENV names
+  that stage while the mode compiles and runs, and until its record has been handed on (so
+  that the record's env_vars show it); the caller's value is restored at the end."""
+  device, dtype = _jax_device_and_dtype(job)
+  prepared = yield from _prepare(job, device, dtype)
+  if prepared is None:
+    return
+  layer, _, params, sets, common = prepared
+  before = os.environ.get(SKIP_ENV)
+  try:
+    for mode in job["modes"]:
+      _set_env(SKIP_ENV, skipped_stage(mode))
+      record = dict(mode=mode, **common)
+      record.update((yield from _time_breakdown_mode(job, layer, params, sets, mode)))
+      yield _record_event(record, device)
+  finally:
+    _set_env(SKIP_ENV, before)
+
+
+def _set_env(name: str, value: str | None):
+  if value is None:
+    os.environ.pop(name, None)
+  else:
+    os.environ[name] = value
+
+
+def _time_breakdown_mode(job, layer, params, sets, mode):
+  """Yields stage events; returns the mode's figures (or its failure). Timed as back-to-back
+  calls with one sync per sample (timing.batched), as the dense peak: what a skipped stage
+  saves can be tens of microseconds, which a sync per call would blur."""
+  w_gate, w_up, w_down, shared = params
+
+  # A new function per mode: a fresh trace and compile, nothing cached from another mode
+  # (the launcher reads SKIP_ENV on every call anyway).
+  def forward(x, experts, weights, dy, w_gate, w_up, w_down, shared):
+    del dy
+    return layer(x, experts, weights, w_gate, w_up, w_down, shared)
+
+  def args(i):
+    return (*sets[i], w_gate, w_up, w_down, shared)
+
+  try:
+    yield stage(mode, "compiling")
+    t0 = time.perf_counter()
+    compiled = jax.jit(forward).lower(*args(0)).compile()
+    compile_s = time.perf_counter() - t0
+    yield stage(mode, "warm-up and timing")
+    seconds, how = timing.batched(lambda i: compiled(*args(i)), jax.block_until_ready,
+                                  n_sets=job["sets"], warmup_s=job["warmup_s"],
+                                  reps=job["reps"], min_reps=job["min_reps"],
+                                  budget_s=job["budget_s"])
+  except Exception as exc:  # pylint: disable=broad-except
+    return {"status": peers.failure_status(exc), "reason": peers.describe_exception(exc)}
+  return {"status": "ok", "ms": timing.summarize(seconds), "timing": how,
+          "compile_s": compile_s}
 
 
 def _time_jax_mode(job, layer, params, sets, mode):

@@ -1,5 +1,6 @@
 """Derived figures (TFLOP/s, % of the measured peak, speed-up over the best peer, checksum
-agreement), the text table, the JSON lines and the PNG chart.
+agreement; for --breakdown, the time each stage of the CUDA forward costs), the text table, the
+JSON lines and the PNG chart.
 
 Derived figures are computed from the raw ones whenever records are reported, so that a file of
 records from several runs (or a run cut short) can be reported again with `--report FILE`.
@@ -12,7 +13,7 @@ import math
 import os
 
 from mok_jax.bench.peers import IMPLS
-from mok_jax.bench.shapes import MODES
+from mok_jax.bench.shapes import FWD_STAGES, MODES, SKIP_ENV
 
 # Relative tolerance on the sum |.| checksums of one implementation against the reference. The
 # layer's rounding points differ a little between frameworks (torch rounds g and u to bf16),
@@ -54,8 +55,8 @@ def latest(records: list[dict]) -> list[dict]:
   for r in records:
     if r.get("kind") == "peak":
       key = ("peak", r.get("device"), r.get("dtype"))
-    else:
-      key = ("moe", case_key(r), r.get("impl"))
+    else:  # a breakdown's "fwd" is not the same record as the comparison's
+      key = (r.get("kind"), case_key(r), r.get("impl"))
     if key not in keep or (r.get("date") or "") >= (keep[key].get("date") or ""):
       keep.pop(key, None)
       keep[key] = r
@@ -67,7 +68,8 @@ def tflops(flops: int, ms: float) -> float:
 
 
 def derive(records: list[dict]) -> list[dict]:
-  """Copies of the records with tflops, pct_of_peak, best_peer, speedup_vs_best_peer, check."""
+  """Copies of the records with tflops, pct_of_peak, best_peer, speedup_vs_best_peer, check;
+  breakdown records with full_ms, saved_ms and saved_pct (see _derive_breakdown)."""
   out = [dict(r) for r in records]
   peaks_by_run, peaks_by_dtype = {}, {}
   for r in out:
@@ -94,7 +96,29 @@ def derive(records: list[dict]) -> list[dict]:
       r["best_peer"] = best["impl"] if best else None
       r["speedup_vs_best_peer"] = best["ms"]["median"] / r["ms"]["median"] if best else None
     _check(ok)
+  _derive_breakdown(out)
   return out
+
+
+def _derive_breakdown(records: list[dict]):
+  """Each breakdown record that skips a stage gets full_ms (the median of the forward that
+  skipped nothing, in the same run), saved_ms = full_ms - its median, and saved_pct, 100 *
+  saved_ms / full_ms; the full forward gets tflops."""
+  groups: dict[tuple, list[dict]] = {}
+  for r in records:
+    if r.get("kind") == "breakdown" and r.get("status") == "ok":
+      groups.setdefault((r.get("run_id"), r.get("impl"), case_key(r)[:-1]), []).append(r)
+  for rows in groups.values():
+    full = next((r for r in rows if r.get("skip") is None), None)
+    if full is None:
+      continue
+    full_ms = full["ms"]["median"]
+    full["tflops"] = tflops(full["flops"], full_ms)
+    for r in rows:
+      if r is not full:
+        r["full_ms"] = full_ms
+        r["saved_ms"] = full_ms - r["ms"]["median"]
+        r["saved_pct"] = 100.0 * r["saved_ms"] / full_ms
 
 
 def _check(ok: list[dict]):
@@ -151,20 +175,23 @@ class _Notes:
     return f"[{self.texts.index(text) + 1}]"
 
 
-def _header(records: list[dict]) -> list[str]:
-  first = next((r for r in records if r.get("kind") == "moe"), records[0])
+def _title(first: dict) -> list[str]:
   versions = first.get("versions") or {}
   shown = ", ".join(f"{name} {versions[name]}" for name in
                     ("jax", "jaxlib", "jax-cuda13-plugin", "tokamax", "torch")
                     if versions.get(name))
   skew = first.get("skew") or 0
-  lines = [
+  return [
       f"MoE layer benchmark (mok_jax.bench) on {first.get('device') or '?'} "
       f"({first.get('platform') or '?'}), {first.get('dtype')}, "
       f"routing {'Zipf skew ' + str(skew) if skew else 'uniform'}",
       f"{first.get('date')}  run {first.get('run_id')}  commit {first.get('commit')}  "
       f"{shown}",
   ]
+
+
+def _header(records: list[dict]) -> list[str]:
+  lines = _title(next((r for r in records if r.get("kind") == "moe"), records[0]))
   for r in records:
     if r.get("kind") == "peak":
       if r.get("status") == "ok":
@@ -197,8 +224,15 @@ def _header(records: list[dict]) -> list[str]:
 
 def table(records: list[dict]) -> str:
   """The text table of derived records: one block per mode, a line per shape and a row per
-  implementation under it; reasons for failures and notes numbered under the table."""
+  implementation under it; reasons for failures and notes numbered under the table. Breakdown
+  records get their own table (breakdown_table), after this one when there are both."""
   moe = [r for r in records if r.get("kind") == "moe"]
+  breakdown = [r for r in records if r.get("kind") == "breakdown"]
+  if breakdown:
+    text = breakdown_table(breakdown)
+    if not moe:
+      return text
+    return table([r for r in records if r.get("kind") != "breakdown"]) + "\n\n" + text
   if not moe:
     return "\n".join(_header(records) + ["(no MoE records)"])
   notes = _Notes()
@@ -260,13 +294,72 @@ def table(records: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def breakdown_table(records: list[dict]) -> str:
+  """The stage breakdown of derived breakdown records: a row per shape with the median of the
+  full forward and, for each stage, what skipping it saves (ms and % of the full forward);
+  failures and their reasons numbered under the table."""
+  notes = _Notes()
+
+  def failure(r):
+    status = STATUS_TEXT.get(r.get("status"), r.get("status") or "?")
+    return f"{status} {notes.ref(r['reason'])}" if r.get("reason") else status
+
+  cases: dict[tuple, dict] = {}
+  for r in records:
+    cases.setdefault((case_key(r)[:-1], r.get("impl")), {})[r.get("skip")] = r
+  head = ["shape", "full ms", "TF/s", *FWD_STAGES, "sum"]
+  body = []
+  for variants in cases.values():
+    full, some = variants.get(None), next(iter(variants.values()))
+    cells = [f"{some['shape']} T={some['T']} H={some['H']} I={some['I']} E={some['E']} "
+             f"k={some['k']}" + (f" Is={some['Is']}" if some.get("Is") else "")]
+    ok = full is not None and full.get("status") == "ok"
+    if ok:
+      cells += [_fmt_ms(full["ms"]["median"]), _fmt_tf(full["tflops"])]
+    else:
+      cells += [failure(full) if full else "-", ""]
+    saved = []
+    for stage in FWD_STAGES:
+      r = variants.get(stage)
+      if r is None:
+        cells.append("-")
+      elif r.get("status") != "ok":
+        cells.append(failure(r))
+      elif r.get("saved_ms") is None:  # no full forward to subtract from: its own median
+        cells.append(f"({_fmt_ms(r['ms']['median'])} ms)")
+      else:
+        saved.append(r["saved_ms"])
+        cells.append(f"{r['saved_ms']:.3f} {r['saved_pct']:.1f}%")
+    cells.append(f"{sum(saved):.3f} {100.0 * sum(saved) / full['ms']['median']:.1f}%"
+                 if ok and saved else "-")
+    body.append(cells)
+  widths = [max(len(row[i]) for row in [head] + body) for i in range(len(head))]
+  lines = _title(records[0]) + [
+      f"== forward stage breakdown ({records[0].get('impl')}): what skipping one stage saves ==",
+      f"stage cells: full ms - ms with {SKIP_ENV}=<stage> (the launcher then skips that stage's",
+      "  kernels: wrong results, a diagnostic only), and % of full ms; sum: of those. The stages",
+      "  overlap (GEMM2 tiles start as GEMM1's row blocks finish): the sum need not be full ms.",
+      "times: medians of samples of back-to-back calls with one sync each (the device's time per",
+      "  call, as for the dense peak); a fresh jit per variant",
+      "",
+  ]
+  lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [head] + body]
+  if notes.texts:
+    lines.append("")
+    lines.extend(f"[{i + 1}] {text}" for i, text in enumerate(notes.texts))
+  return "\n".join(lines)
+
+
 # -- the chart -----------------------------------------------------------------------------------
 
 
 def chart(records: list[dict], path: str) -> str | None:
   """Bar chart of TF/s per shape and implementation, one panel per mode, the dense peak as a
   line; failed runs are labelled where their bar would be. Returns the path, or None when
-  matplotlib is missing."""
+  matplotlib is missing or there are no MoE records (a --breakdown run)."""
+  moe = [r for r in records if r.get("kind") == "moe"]
+  if not moe:
+    return None
   try:
     import matplotlib  # pylint: disable=import-outside-toplevel
 
@@ -274,7 +367,6 @@ def chart(records: list[dict], path: str) -> str | None:
     import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
   except ImportError:
     return None
-  moe = [r for r in records if r.get("kind") == "moe"]
   shapes = list(dict.fromkeys(r["shape"] for r in moe))
   impls = [name for name in IMPLS if any(r["impl"] == name for r in moe)]
   modes = [m for m in MODES if any(r["mode"] == m for r in moe)]

@@ -1,5 +1,6 @@
 """Plans the jobs of a benchmark run, runs each one (in a fresh process, or in this one), and
-turns their results into records: one per (shape, implementation, mode), plus the dense peak.
+turns their results into records: one per (shape, implementation, mode), plus the dense peak;
+or, with --breakdown, one per (shape, variant of the CUDA forward), with no peak.
 
 Nothing here touches an accelerator: in the isolated mode (the default, except with --tiny)
 this process never initialises a JAX backend or imports torch, so the GPU is free for each
@@ -28,7 +29,7 @@ import tempfile
 import time
 
 from mok_jax.bench import env, jobs, peers
-from mok_jax.bench.shapes import Shape
+from mok_jax.bench.shapes import Shape, breakdown_modes, skipped_stage
 
 # Workers' JAX takes this fraction of GPU memory (JAX's default is 0.75) unless the caller set
 # XLA_PYTHON_CLIENT_MEM_FRACTION: PyTorch's peer may use all of it, so JAX's should be close.
@@ -36,6 +37,7 @@ JAX_MEM_FRACTION = "0.90"
 WORKER = [sys.executable, "-m", "mok_jax.bench.jobs"]  # + JOB.json EVENTS.jsonl
 LOG_TAIL_LINES = 25
 POLL_S = 0.2  # how often the events file is read while a worker runs
+BREAKDOWN_IMPL = "mok_jax:cuda"  # the only one that reads shapes.SKIP_ENV
 
 
 @dataclasses.dataclass
@@ -58,6 +60,7 @@ class Options:
   mode_timeout_s: float  # per mode of a job, see the module's docstring
   log_dir: str | None = None
   partial_path: str | None = None
+  breakdown: bool = False  # the stage breakdown of the CUDA forward instead (impls, modes unused)
 
 
 def new_run_id() -> str:
@@ -84,8 +87,14 @@ class Runner:
 
   def _job(self, kind: str, impl: str, shape: Shape | None) -> dict:
     o = self.opts
+    if kind == "moe":
+      modes = list(o.modes)
+    elif kind == "breakdown":
+      modes = breakdown_modes(shape)
+    else:
+      modes = ["dense"]
     return {"kind": kind, "impl": impl, "shape": shape.to_json() if shape else None,
-            "modes": list(o.modes) if kind == "moe" else ["dense"], "dtype": o.dtype,
+            "modes": modes, "dtype": o.dtype,
             "seed": o.seed, "skew": o.skew, "sets": o.sets, "warmup": o.warmup,
             "warmup_s": o.warmup_s, "reps": o.reps, "min_reps": o.min_reps,
             "budget_s": o.budget_s, "peak_n": o.peak_n, "peak_warmup_s": o.peak_warmup_s}
@@ -210,7 +219,7 @@ class Runner:
     if device and job["impl"] != "torch._grouped_mm":
       self.device = self.device or device
     record = {
-        "kind": "peak" if job["kind"] == "peak" else "moe",
+        "kind": job["kind"],
         "run_id": self.run_id,
         "date": self.date,
         "impl": impl,
@@ -225,8 +234,12 @@ class Runner:
         "mode_wall_s": event.get("mode_wall_s"),  # what --mode-timeout bounds
     }
     if shape is not None:
+      # A breakdown's flops are those of the whole forward, whatever its mode skips.
+      mode = "fwd" if job["kind"] == "breakdown" else raw["mode"]
       record.update(shape=shape.name, T=shape.T, H=shape.H, I=shape.I, E=shape.E, k=shape.k,
-                    Is=shape.Is, flops=shape.flops(raw["mode"]))
+                    Is=shape.Is, flops=shape.flops(mode))
+    if job["kind"] == "breakdown":
+      record["skip"] = skipped_stage(raw["mode"])
     record.update(raw)
     record.setdefault("status", "error")
     record.setdefault("dtype", jobs.resolve_dtype(self.opts.dtype, record["platform"] or "gpu"))
@@ -259,9 +272,30 @@ class Runner:
   def run(self) -> list[dict]:
     o = self.opts
     t_run = time.perf_counter()
-    _progress(f"mok_jax.bench run {self.run_id}: {len(o.shapes)} shape(s), modes "
-              f"{', '.join(o.modes)}, {'a fresh process per job' if o.isolate else 'in-process'}"
-              f"; logs in {self.log_dir}")
+    what = "the CUDA forward's stage breakdown" if o.breakdown else f"modes {', '.join(o.modes)}"
+    _progress(f"mok_jax.bench run {self.run_id}: {len(o.shapes)} shape(s), {what}, "
+              f"{'a fresh process per job' if o.isolate else 'in-process'}; logs in "
+              f"{self.log_dir}")
+    if o.breakdown:
+      self._run_breakdown()
+    else:
+      self._run_impls()
+    _progress(f"run {self.run_id} took {time.perf_counter() - t_run:.0f} s")
+    return self.records
+
+  def _run_breakdown(self):
+    """One job per shape: the CUDA forward, then the same with one stage skipped per mode. No
+    peak job: the worker itself says when the CUDA kernel cannot run."""
+    o = self.opts
+    for n, shape in enumerate(o.shapes, 1):
+      job = self._job("breakdown", BREAKDOWN_IMPL, shape)
+      label = f"[{n}/{len(o.shapes)}] {shape.name} breakdown"
+      self._execute(job, f"{shape.name}.breakdown",
+                    self._reporter(job, BREAKDOWN_IMPL, shape, label))
+
+  def _run_impls(self):
+    """The dense peak, then every implementation on every shape."""
+    o = self.opts
     job = self._job("peak", "dense_matmul", None)
     peak = None
 
@@ -286,22 +320,24 @@ class Runner:
         n += 1
         job = self._job("moe", impl, shape)
         label = f"[{n}/{total}] {shape.name} {impl}"
-
-        def on_record(event, job=job, impl=impl, shape=shape, label=label):
-          record = self._emit(job, event, scope_of(o), impl, shape)
-          took = record.get("mode_wall_s")
-          _progress(f"{label} {record['mode']}: {_brief(record)}"
-                    + (f" ({took:.0f} s)" if took is not None else ""))
-
         reason = self._skip_reason(impl, shape, platform)
         if reason:
           for raw in jobs.failed(o.modes, "unavailable", reason):
             self._emit(job, {"record": raw}, None, impl, shape)
           _progress(f"{label}: n/a ({reason[:100]})")
         else:
-          self._execute(job, f"{shape.name}.{impl}", on_record)
-    _progress(f"run {self.run_id} took {time.perf_counter() - t_run:.0f} s")
-    return self.records
+          self._execute(job, f"{shape.name}.{impl}", self._reporter(job, impl, shape, label))
+
+  def _reporter(self, job: dict, impl: str, shape: Shape, label: str):
+    """on_record for _execute: each record event becomes a record, with a progress line."""
+
+    def on_record(event):
+      record = self._emit(job, event, scope_of(self.opts), impl, shape)
+      took = record.get("mode_wall_s")
+      _progress(f"{label} {record['mode']}: {_brief(record)}"
+                + (f" ({took:.0f} s)" if took is not None else ""))
+
+    return on_record
 
 
 def scope_of(opts: Options) -> str:

@@ -6,6 +6,14 @@ import dataclasses
 
 MODES = ("fwd", "fwd+bwd")
 
+# --breakdown: the CUDA forward's stages, as the launcher reads them from SKIP_ENV (a
+# comma-separated list, read on every call; the stages named there are not run, so the results
+# are wrong: a diagnostic only). A breakdown job's modes are "fwd" (nothing skipped) and
+# SKIP_PREFIX + stage for each stage of the shape.
+FWD_STAGES = ("layout", "gather", "gemm1", "gemm2", "shared", "combine")
+SKIP_ENV = "MOK_FWD_SKIP"
+SKIP_PREFIX = "fwd-skip-"
+
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
@@ -64,6 +72,23 @@ SHAPES = {
 # each, fewer than a 128-row expert tile, as in the large shapes with many experts. H and I are
 # multiples of 64, so on a GPU the CUDA kernel takes it too (a quick smoke run there).
 TINY = (Shape("tiny", 128, 64, 64, 16, 4),)
+
+
+def breakdown_modes(shape: Shape) -> list[str]:
+  """The forward as it is, then without each of its stages ("shared" only with a shared
+  expert: skipping a stage that does not run would time noise)."""
+  return ["fwd"] + [SKIP_PREFIX + s for s in FWD_STAGES if s != "shared" or shape.Is]
+
+
+def skipped_stage(mode: str) -> str | None:
+  """The stage a breakdown mode skips; None for "fwd"."""
+  if mode == "fwd":
+    return None
+  stage = mode[len(SKIP_PREFIX):] if mode.startswith(SKIP_PREFIX) else None
+  if stage not in FWD_STAGES:
+    raise ValueError(f"breakdown mode must be 'fwd' or {SKIP_PREFIX}<stage> with a stage in "
+                     f"{FWD_STAGES}, got {mode!r}")
+  return stage
 
 
 def parse_shape(text: str) -> Shape:
