@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -303,10 +304,12 @@ def test_breakdown_tiny_reports_cuda_unavailable(tmp_path):
   assert "Traceback" not in proc.stderr, proc.stderr
   records = [json.loads(line) for line in out.read_text().splitlines()]
   shape = shapes.TINY[0]
-  assert [r["mode"] for r in records] == ["fwd"] + [f"fwd-skip-{s}" for s in
-                                                    ("layout", "gather", "gemm1", "gemm2",
-                                                     "combine")]
-  assert [r["skip"] for r in records] == [None, "layout", "gather", "gemm1", "gemm2", "combine"]
+  stages = ["gather", "gemm1", "gemm2", "combine"]  # no shared expert
+  assert [r["mode"] for r in records] == (["fwd"] + [f"fwd-skip-{s}" for s in stages]
+                                          + ["fwd-layout-only"])
+  assert [r["stage"] for r in records] == [None, *stages, "layout"]
+  assert [r["skip"] for r in records] == [[], *([s] for s in stages),
+                                          ["gather", "gemm1", "gemm2", "shared", "combine"]]
   assert len({r["run_id"] for r in records}) == 1
   for r in records:
     assert r["kind"] == "breakdown" and r["impl"] == "mok_jax:cuda" and r["shape"] == "tiny"
@@ -314,7 +317,8 @@ def test_breakdown_tiny_reports_cuda_unavailable(tmp_path):
     assert "ms" not in r and r["flops"] == shape.flops("fwd")
   assert "== forward stage breakdown (mok_jax:cuda)" in proc.stdout
   row = next(line for line in proc.stdout.splitlines() if line.startswith("tiny "))
-  assert row.split()[-1] == "-" and row.count("n/a [1]") == 6, row  # no shared stage, no sum
+  assert row.count("n/a [1]") == 6, row  # full, layout and four left out
+  assert re.split(r"\s{2,}", row)[-3:] == ["-", "n/a [1]", "-"], row  # shared, combine, sum
   assert "[1] JAX's default backend is 'cpu', not a CUDA GPU" in proc.stdout
   assert out.with_suffix(".txt").read_text().strip() == proc.stdout.strip()
   assert not out.with_name("bench.partial.jsonl").exists()
@@ -323,8 +327,8 @@ def test_breakdown_tiny_reports_cuda_unavailable(tmp_path):
 def test_breakdown_times_every_variant_in_a_worker(tmp_path, monkeypatch):
   """The breakdown through a real worker on the CPU, with the C++ target in place of the CUDA
   kernel (it does not read MOK_FWD_SKIP, so every variant runs the whole forward): each variant
-  is timed with MOK_FWD_SKIP naming its stage, none for the full forward even when the caller
-  set one, and the table subtracts each variant's median from the full one."""
+  is timed with MOK_FWD_SKIP naming what it leaves out, nothing for the full forward even when
+  the caller set something, and each stage's time is derived from the medians."""
   for name, value in _env().items():
     monkeypatch.setenv(name, value)
   monkeypatch.setenv(SKIP_ENV, "gather")
@@ -335,37 +339,44 @@ def test_breakdown_times_every_variant_in_a_worker(tmp_path, monkeypatch):
                         peak_n=None, peak_warmup_s=0.0, isolate=True, mode_timeout_s=120.0,
                         log_dir=str(tmp_path), breakdown=True)
   records = runner.Runner(opts).run()
-  modes = shapes.breakdown_modes(shape)
-  assert modes == ["fwd"] + [f"fwd-skip-{s}" for s in shapes.FWD_STAGES]
-  assert [r["mode"] for r in records] == modes
+  assert [r["mode"] for r in records] == shapes.breakdown_modes(shape)
+  assert [r["stage"] for r in records] == [None, "gather", "gemm1", "gemm2", "shared",
+                                           "combine", "layout"]
   for r in records:
     assert r["status"] == "ok", r
     assert r["kind"] == "breakdown" and r["impl"] == "mok_jax:ffi" and r["platform"] == "cpu"
-    assert r["worker_env"].get(SKIP_ENV) == r["skip"] == shapes.skipped_stage(r["mode"])
+    assert r["worker_env"].get(SKIP_ENV) == (",".join(r["skip"]) or None), r["worker_env"]
     assert r["ms"]["n"] >= 1 and r["timing"]["calls_per_sample"] >= 1 and r["compile_s"] > 0
     assert r["flops"] == shape.flops("fwd") and "check" not in r
   derived = report.derive(records)
-  full = derived[0]
-  assert full["skip"] is None and "saved_ms" not in full
-  assert full["tflops"] == pytest.approx(shape.flops("fwd") / (full["ms"]["median"] * 1e-3) / 1e12)
+  full, *left_out, layout = derived
+  full_ms = full["ms"]["median"]
+  assert "stage_ms" not in full
+  assert full["tflops"] == pytest.approx(shape.flops("fwd") / (full_ms * 1e-3) / 1e12)
+  for r in left_out:
+    assert r["full_ms"] == full_ms
+    assert r["stage_ms"] == pytest.approx(full_ms - r["ms"]["median"])
+  assert layout["stage_ms"] == layout["ms"]["median"]
   for r in derived[1:]:
-    assert r["full_ms"] == full["ms"]["median"]
-    assert r["saved_ms"] == pytest.approx(full["ms"]["median"] - r["ms"]["median"])
-    assert r["saved_pct"] == pytest.approx(100 * r["saved_ms"] / full["ms"]["median"])
+    assert r["stage_pct"] == pytest.approx(100 * r["stage_ms"] / full_ms)
   row = next(line for line in report.table(derived).splitlines() if line.startswith("tiny "))
-  cells = [f"{r['saved_ms']:.3f} {r['saved_pct']:.1f}%" for r in derived[1:]]
-  assert all(cell in row for cell in cells), (row, cells)
+  stage_cells = [f"{r['stage_ms']:.3f} {r['stage_pct']:.1f}%" for r in [layout, *left_out]]
+  total = sum(r["stage_ms"] for r in derived[1:])
+  assert row.split()[-14:] == " ".join(stage_cells + [
+      f"{total:.3f} {100 * total / full_ms:.1f}%"]).split(), row
 
 
 def test_breakdown_modes():
   assert shapes.breakdown_modes(shapes.TINY[0]) == [
-      "fwd", "fwd-skip-layout", "fwd-skip-gather", "fwd-skip-gemm1", "fwd-skip-gemm2",
-      "fwd-skip-combine"]
-  assert shapes.skipped_stage("fwd") is None
-  assert shapes.skipped_stage("fwd-skip-gemm2") == "gemm2"
-  for bad in ("fwd+bwd", "fwd-skip-", "fwd-skip-gemm3", "gemm1"):
+      "fwd", "fwd-skip-gather", "fwd-skip-gemm1", "fwd-skip-gemm2", "fwd-skip-combine",
+      "fwd-layout-only"]
+  assert shapes.breakdown_variant("fwd") == (None, ())
+  assert shapes.breakdown_variant("fwd-skip-gemm2") == ("gemm2", ("gemm2",))
+  assert shapes.breakdown_variant("fwd-layout-only") == (
+      "layout", ("gather", "gemm1", "gemm2", "shared", "combine"))
+  for bad in ("fwd+bwd", "fwd-skip-", "fwd-skip-layout", "fwd-skip-gemm3", "gemm1"):
     with pytest.raises(ValueError, match="breakdown mode"):
-      shapes.skipped_stage(bad)
+      shapes.breakdown_variant(bad)
 
 
 @pytest.mark.parametrize("argv", [["--breakdown", "--impls", "cuda"],

@@ -44,10 +44,11 @@ def parse_args(argv):
                  "every peer")
   p.add_argument("--modes", default=None, help="fwd, fwd+bwd or both (default)")
   p.add_argument("--breakdown", action="store_true",
-                 help="instead of comparing implementations: time the CUDA forward as it is and "
-                 f"with each of its stages ({', '.join(FWD_STAGES)}) skipped in turn ({SKIP_ENV}="
-                 "<stage>, read by the launcher on every call; the results are then wrong), and "
-                 "print what each stage costs; not with --impls or --modes")
+                 help="instead of comparing implementations: time the CUDA forward as it is, "
+                 f"with each of {', '.join(FWD_STAGES[1:])} left out ({SKIP_ENV}=<stage>, read "
+                 "by the launcher on every call; the results are then wrong) and with all of "
+                 f"them left out ({FWD_STAGES[0]} alone), and print the time of each stage; not "
+                 "with --impls or --modes")
   p.add_argument("--dtype", choices=DTYPES, default="auto",
                  help="auto: bf16 on a GPU, f32 on a CPU")
   p.add_argument("--seed", type=int, default=0)

@@ -14,7 +14,7 @@ CUDA context take down only its own modes, and keeps PyTorch off JAX's prealloca
 A job is a dict: kind ("peak" | "moe" | "breakdown"), impl, shape (Shape fields), modes, dtype
 ("auto" | "bf16" | "f32"), seed, skew, sets, warmup, warmup_s, reps, min_reps, budget_s, peak_n
 (None: by platform), peak_warmup_s; a breakdown's modes are shapes.breakdown_modes (the forward,
-then the forward with one stage skipped each). A record holds mode, status ("ok", "oom",
+then the forward with stages left out). A record holds mode, status ("ok", "oom",
 "error", "unavailable") and, when ok, ms (median, min, max, p25, p75, mean, n), timing (how the
 samples were taken), compile_s and (but for a breakdown, whose skipping modes compute wrong
 results) the output's checksums. Whatever fails is caught and becomes a record with its reason.
@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from mok_jax.bench import env, inputs, peers, timing
-from mok_jax.bench.shapes import SKIP_ENV, Shape, skipped_stage
+from mok_jax.bench.shapes import SKIP_ENV, Shape, breakdown_variant
 
 DTYPES = ("auto", "bf16", "f32")
 # Dense peak sizes when the job leaves peak_n to the platform: 8192^3 saturates an H100/H200
@@ -209,9 +209,9 @@ def _run_jax_moe(job: dict):
 
 
 def _run_breakdown(job: dict):
-  """The forward as it is (mode "fwd"), then with one stage skipped per mode: SKIP_ENV names
-  that stage while the mode compiles and runs, and until its record has been handed on (so
-  that the record's env_vars show it); the caller's value is restored at the end."""
+  """The forward as it is (mode "fwd"), then with stages left out (shapes.breakdown_variant):
+  SKIP_ENV names them while the mode compiles and runs, and until its record has been handed on
+  (so that the record's env_vars show it); the caller's value is restored at the end."""
   device, dtype = _jax_device_and_dtype(job)
   prepared = yield from _prepare(job, device, dtype)
   if prepared is None:
@@ -220,7 +220,7 @@ def _run_breakdown(job: dict):
   before = os.environ.get(SKIP_ENV)
   try:
     for mode in job["modes"]:
-      _set_env(SKIP_ENV, skipped_stage(mode))
+      _set_env(SKIP_ENV, ",".join(breakdown_variant(mode)[1]) or None)
       record = dict(mode=mode, **common)
       record.update((yield from _time_breakdown_mode(job, layer, params, sets, mode)))
       yield _record_event(record, device)
@@ -237,8 +237,8 @@ def _set_env(name: str, value: str | None):
 
 def _time_breakdown_mode(job, layer, params, sets, mode):
   """Yields stage events; returns the mode's figures (or its failure). Timed as back-to-back
-  calls with one sync per sample (timing.batched), as the dense peak: what a skipped stage
-  saves can be tens of microseconds, which a sync per call would blur."""
+  calls with one sync per sample (timing.batched), as the dense peak: a stage can take tens of
+  microseconds, which a sync per call would blur."""
   w_gate, w_up, w_down, shared = params
 
   # A new function per mode: a fresh trace and compile, nothing cached from another mode

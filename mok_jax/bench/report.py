@@ -1,5 +1,5 @@
 """Derived figures (TFLOP/s, % of the measured peak, speed-up over the best peer, checksum
-agreement; for --breakdown, the time each stage of the CUDA forward costs), the text table, the
+agreement; for --breakdown, the time of each stage of the CUDA forward), the text table, the
 JSON lines and the PNG chart.
 
 Derived figures are computed from the raw ones whenever records are reported, so that a file of
@@ -69,7 +69,7 @@ def tflops(flops: int, ms: float) -> float:
 
 def derive(records: list[dict]) -> list[dict]:
   """Copies of the records with tflops, pct_of_peak, best_peer, speedup_vs_best_peer, check;
-  breakdown records with full_ms, saved_ms and saved_pct (see _derive_breakdown)."""
+  breakdown records with full_ms, stage_ms and stage_pct (see _derive_breakdown)."""
   out = [dict(r) for r in records]
   peaks_by_run, peaks_by_dtype = {}, {}
   for r in out:
@@ -101,24 +101,27 @@ def derive(records: list[dict]) -> list[dict]:
 
 
 def _derive_breakdown(records: list[dict]):
-  """Each breakdown record that skips a stage gets full_ms (the median of the forward that
-  skipped nothing, in the same run), saved_ms = full_ms - its median, and saved_pct, 100 *
-  saved_ms / full_ms; the full forward gets tflops."""
+  """The full forward of a breakdown (stage None) gets tflops; every other variant of the same
+  run and case gets full_ms (the full forward's median), stage_ms, the time of its stage (full_ms
+  minus its median when it leaves its stage out; its median when it runs its stage alone, as
+  the layout, which cannot be left out), and stage_pct, 100 * stage_ms / full_ms."""
   groups: dict[tuple, list[dict]] = {}
   for r in records:
     if r.get("kind") == "breakdown" and r.get("status") == "ok":
       groups.setdefault((r.get("run_id"), r.get("impl"), case_key(r)[:-1]), []).append(r)
   for rows in groups.values():
-    full = next((r for r in rows if r.get("skip") is None), None)
+    full = next((r for r in rows if r.get("stage") is None), None)
     if full is None:
       continue
     full_ms = full["ms"]["median"]
     full["tflops"] = tflops(full["flops"], full_ms)
     for r in rows:
-      if r is not full:
-        r["full_ms"] = full_ms
-        r["saved_ms"] = full_ms - r["ms"]["median"]
-        r["saved_pct"] = 100.0 * r["saved_ms"] / full_ms
+      if r is full:
+        continue
+      left_out = r["stage"] in r.get("skip", ())
+      r["full_ms"] = full_ms
+      r["stage_ms"] = full_ms - r["ms"]["median"] if left_out else r["ms"]["median"]
+      r["stage_pct"] = 100.0 * r["stage_ms"] / full_ms
 
 
 def _check(ok: list[dict]):
@@ -296,8 +299,8 @@ def table(records: list[dict]) -> str:
 
 def breakdown_table(records: list[dict]) -> str:
   """The stage breakdown of derived breakdown records: a row per shape with the median of the
-  full forward and, for each stage, what skipping it saves (ms and % of the full forward);
-  failures and their reasons numbered under the table."""
+  full forward and the time of each stage (ms and % of the full forward); failures and their
+  reasons numbered under the table."""
   notes = _Notes()
 
   def failure(r):
@@ -306,7 +309,7 @@ def breakdown_table(records: list[dict]) -> str:
 
   cases: dict[tuple, dict] = {}
   for r in records:
-    cases.setdefault((case_key(r)[:-1], r.get("impl")), {})[r.get("skip")] = r
+    cases.setdefault((case_key(r)[:-1], r.get("impl")), {})[r.get("stage")] = r
   head = ["shape", "full ms", "TF/s", *FWD_STAGES, "sum"]
   body = []
   for variants in cases.values():
@@ -318,27 +321,29 @@ def breakdown_table(records: list[dict]) -> str:
       cells += [_fmt_ms(full["ms"]["median"]), _fmt_tf(full["tflops"])]
     else:
       cells += [failure(full) if full else "-", ""]
-    saved = []
+    timed = []
     for stage in FWD_STAGES:
       r = variants.get(stage)
       if r is None:
         cells.append("-")
       elif r.get("status") != "ok":
         cells.append(failure(r))
-      elif r.get("saved_ms") is None:  # no full forward to subtract from: its own median
+      elif r.get("stage_ms") is None:  # no full forward in this run: the variant's own median
         cells.append(f"({_fmt_ms(r['ms']['median'])} ms)")
       else:
-        saved.append(r["saved_ms"])
-        cells.append(f"{r['saved_ms']:.3f} {r['saved_pct']:.1f}%")
-    cells.append(f"{sum(saved):.3f} {100.0 * sum(saved) / full['ms']['median']:.1f}%"
-                 if ok and saved else "-")
+        timed.append(r["stage_ms"])
+        cells.append(f"{r['stage_ms']:.3f} {r['stage_pct']:.1f}%")
+    cells.append(f"{sum(timed):.3f} {100.0 * sum(timed) / full['ms']['median']:.1f}%"
+                 if ok and timed else "-")
     body.append(cells)
   widths = [max(len(row[i]) for row in [head] + body) for i in range(len(head))]
   lines = _title(records[0]) + [
-      f"== forward stage breakdown ({records[0].get('impl')}): what skipping one stage saves ==",
-      f"stage cells: full ms - ms with {SKIP_ENV}=<stage> (the launcher then skips that stage's",
-      "  kernels: wrong results, a diagnostic only), and % of full ms; sum: of those. The stages",
-      "  overlap (GEMM2 tiles start as GEMM1's row blocks finish): the sum need not be full ms.",
+      f"== forward stage breakdown ({records[0].get('impl')}): the time of each stage ==",
+      f"{', '.join(FWD_STAGES[1:])}: full ms - ms with {SKIP_ENV}=<stage> (the launcher",
+      "  then leaves that stage out: wrong results, a diagnostic only); layout, which every other",
+      "  stage reads: ms with all of those left out. Each also as % of full ms; sum: of the",
+      "  stages, which need not make full ms (overlapping work counts in two stages, launch gaps",
+      "  in none).",
       "times: medians of samples of back-to-back calls with one sync each (the device's time per",
       "  call, as for the dense peak); a fresh jit per variant",
       "",

@@ -29,7 +29,7 @@ import tempfile
 import time
 
 from mok_jax.bench import env, jobs, peers
-from mok_jax.bench.shapes import Shape, breakdown_modes, skipped_stage
+from mok_jax.bench.shapes import Shape, breakdown_modes, breakdown_variant
 
 # Workers' JAX takes this fraction of GPU memory (JAX's default is 0.75) unless the caller set
 # XLA_PYTHON_CLIENT_MEM_FRACTION: PyTorch's peer may use all of it, so JAX's should be close.
@@ -239,7 +239,8 @@ class Runner:
       record.update(shape=shape.name, T=shape.T, H=shape.H, I=shape.I, E=shape.E, k=shape.k,
                     Is=shape.Is, flops=shape.flops(mode))
     if job["kind"] == "breakdown":
-      record["skip"] = skipped_stage(raw["mode"])
+      stage, skipped = breakdown_variant(raw["mode"])
+      record.update(stage=stage, skip=list(skipped))
     record.update(raw)
     record.setdefault("status", "error")
     record.setdefault("dtype", jobs.resolve_dtype(self.opts.dtype, record["platform"] or "gpu"))
@@ -284,8 +285,8 @@ class Runner:
     return self.records
 
   def _run_breakdown(self):
-    """One job per shape: the CUDA forward, then the same with one stage skipped per mode. No
-    peak job: the worker itself says when the CUDA kernel cannot run."""
+    """One job per shape: the CUDA forward, then the same with stages left out, a variant per
+    mode. No peak job: the worker itself says when the CUDA kernel cannot run."""
     o = self.opts
     for n, shape in enumerate(o.shapes, 1):
       job = self._job("breakdown", BREAKDOWN_IMPL, shape)

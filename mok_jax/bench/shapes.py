@@ -6,14 +6,13 @@ import dataclasses
 
 MODES = ("fwd", "fwd+bwd")
 
-# --breakdown: the CUDA forward's stages, as the launcher reads them from SKIP_ENV (a
-# comma-separated list, read on every call; the stages named there are not run, so the results
-# are wrong: a diagnostic only). A breakdown job's modes are "fwd" (nothing skipped) and
-# SKIP_PREFIX + stage for each stage of the shape.
+# --breakdown: the CUDA forward's stages in launch order. The launcher leaves out those named in
+# SKIP_ENV (comma-separated, read on every call; the results are then wrong: a diagnostic only),
+# all but the layout, which every later stage reads.
 FWD_STAGES = ("layout", "gather", "gemm1", "gemm2", "shared", "combine")
 SKIP_ENV = "MOK_FWD_SKIP"
 SKIP_PREFIX = "fwd-skip-"
-
+LAYOUT_ONLY = "fwd-layout-only"
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
@@ -75,20 +74,24 @@ TINY = (Shape("tiny", 128, 64, 64, 16, 4),)
 
 
 def breakdown_modes(shape: Shape) -> list[str]:
-  """The forward as it is, then without each of its stages ("shared" only with a shared
-  expert: skipping a stage that does not run would time noise)."""
-  return ["fwd"] + [SKIP_PREFIX + s for s in FWD_STAGES if s != "shared" or shape.Is]
+  """A breakdown job's modes: "fwd" (the forward as it is), SKIP_PREFIX + stage for each stage
+  the launcher can leave out ("shared" only with a shared expert: leaving out a stage that does
+  not run would time noise), and LAYOUT_ONLY (all of those left out: the layout alone)."""
+  skippable = [s for s in FWD_STAGES[1:] if s != "shared" or shape.Is]
+  return ["fwd"] + [SKIP_PREFIX + s for s in skippable] + [LAYOUT_ONLY]
 
 
-def skipped_stage(mode: str) -> str | None:
-  """The stage a breakdown mode skips; None for "fwd"."""
+def breakdown_variant(mode: str) -> tuple[str | None, tuple[str, ...]]:
+  """(the stage a breakdown mode times, the stages it leaves out); (None, ()) for "fwd"."""
   if mode == "fwd":
-    return None
-  stage = mode[len(SKIP_PREFIX):] if mode.startswith(SKIP_PREFIX) else None
-  if stage not in FWD_STAGES:
-    raise ValueError(f"breakdown mode must be 'fwd' or {SKIP_PREFIX}<stage> with a stage in "
-                     f"{FWD_STAGES}, got {mode!r}")
-  return stage
+    return None, ()
+  if mode == LAYOUT_ONLY:
+    return "layout", FWD_STAGES[1:]
+  stage = mode[len(SKIP_PREFIX):]
+  if not mode.startswith(SKIP_PREFIX) or stage not in FWD_STAGES[1:]:
+    raise ValueError(f"breakdown mode must be 'fwd', {LAYOUT_ONLY!r} or {SKIP_PREFIX}<stage> with "
+                     f"a stage in {FWD_STAGES[1:]}, got {mode!r}")
+  return stage, (stage,)
 
 
 def parse_shape(text: str) -> Shape:
