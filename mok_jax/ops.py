@@ -51,7 +51,8 @@ class MoeDims(NamedTuple):
 
 class Residuals(NamedTuple):
   """What mok_moe_fwd saves for mok_moe_bwd. R = routed_rows(T * k, E, block_m). With
-  Config.recompute, gu and gu_shared have zero rows: the backward recomputes them from x."""
+  Config.recompute, gu and gu_shared have zero rows: the backward recomputes them from x.
+  Rows of gu and y_routed past offsets[E] (the rows in use) are unspecified."""
 
   pos: jax.Array  # (T, k) int32: routed row of route (t, j); -1 for an invalid id
   offsets: jax.Array  # (E + 1,) int32: first routed row of each expert; [E] = rows in use

@@ -110,6 +110,11 @@ __device__ __forceinline__ void LoadTile(const GemmParams& p, const GemmTile& ti
 // index among the 256 consumer threads; `it` as in LoadTile. An idle warpgroup (the second one
 // of a half tile) multiplies nothing but still releases each stage after it has landed, so that
 // both warpgroups' arrivals on `empty` stay in step.
+//
+// NOTES: a phase-parity wait is only sound if no waiter falls two phases behind. In the active
+// loop the warpgroup-collective wgmma keeps its four warps together; the idle loop has no
+// wgmma, so a named barrier does (without it, a warp that slept through a refill of its stage
+// waited for the wrong phase and the kernel hung).
 template <class Kind, class Accum>
 __device__ __forceinline__ void MmaTile(const GemmTile& tile, GemmSmem& smem, int thread,
                                         bool idle, Accum& acc, uint32_t& it) {
@@ -131,6 +136,7 @@ __device__ __forceinline__ void MmaTile(const GemmTile& tile, GemmSmem& smem, in
     for (int kt = 0; kt < tile.num_k; ++kt, ++it) {
       const int s = it % C::kStages;
       BarrierWait(&smem.full[s], (it / C::kStages) & 1);
+      NamedBarrierSync(2 + thread / 128, 128);  // all four warps saw this phase
       if (releaser) BarrierArrive(&smem.empty[s]);
     }
     return;

@@ -32,12 +32,19 @@ __device__ __forceinline__ void BarrierArriveExpectTx(uint64_t* bar, uint32_t by
                : "memory");
 }
 
+__device__ __forceinline__ uint64_t GlobalTimerNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+
 // Waits until the phase of `bar` with parity `parity` has completed.
 __device__ __forceinline__ void BarrierWait(uint64_t* bar, uint32_t parity) {
   uint32_t addr = SmemAddr(bar);
-  // NOTES: try_wait suspends the thread for a hardware-defined time per call; 2^26 calls is
-  // far beyond any legitimate wait (seconds), so reaching it means a pipeline bug.
-  for (uint32_t spins = 0;; ++spins) {
+  // NOTES: a legitimate wait lasts microseconds (milliseconds under compute-sanitizer); one of
+  // four seconds is a pipeline bug, and trapping turns a hung GPU into an error that XLA reports.
+  uint64_t start = 0;
+  for (uint32_t spins = 1;; ++spins) {
     uint32_t done;
     asm volatile(
         "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
@@ -46,7 +53,11 @@ __device__ __forceinline__ void BarrierWait(uint64_t* bar, uint32_t parity) {
         : "r"(addr), "r"(parity)
         : "memory");
     if (done) return;
-    if (spins == (1u << 26)) __trap();
+    if (spins % 1024 == 0) {
+      const uint64_t now = GlobalTimerNs();
+      if (start == 0) start = now;
+      else if (now - start > 4'000'000'000ull) __trap();
+    }
   }
 }
 
