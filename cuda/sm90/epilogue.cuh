@@ -1,4 +1,4 @@
-// GEMM epilogues. bf16 outputs go through a padded shared-memory staging tile to coalesced
+// GEMM epilogues. bf16 outputs go through a swizzled shared-memory staging tile to coalesced
 // 16-byte global stores (each consumer warpgroup stages and stores its own 64 rows); the f32
 // output and the SwiGLU backward (which also reads gu) store straight from registers.
 #pragma once
@@ -34,86 +34,95 @@ __device__ __forceinline__ int AccCol(int wg_thread) { return wg_thread % 4 * 2;
 constexpr int AccRowStep(int v) { return 8 * ((v >> 1) & 1); }
 constexpr int AccColStep(int v) { return 8 * (v >> 2); }
 
-// Copies `chunks` 16-byte chunks per row of a (64, kStagePitch) staging tile to global rows
-// dst(row) + col(c), skipping rows past the output and chunks past the matrix edge.
-template <class Dst>
-__device__ __forceinline__ void CopyOut(const bf16_t* stage, int chunks, int64_t row0,
-                                        int64_t m_end, int wg_thread, Dst dst) {
-  for (int i = wg_thread; i < kWarpgroupRows * chunks; i += 128) {
-    const int r = i / chunks, c = i % chunks;
+// Where 16-byte chunk c of staging row r sits: at chunk c ^ (r % 8), so that the 8 rows of a
+// warp's accumulator store and the 4 rows of a warp's 16-byte reads each meet 32 distinct banks.
+__device__ __forceinline__ int StageIndex(int r, int chunk) {
+  return r * kStageCols + ((chunk ^ (r % 8)) << 3);
+}
+
+// One staging pass over 64 of the tile's columns: pair(u) packs this thread's values u, u + 1
+// of the pass (u = 4 chunk + 2 half: its row AccRow + 8 half, columns AccCol + 8 chunk of the
+// pass); dst(row, chunk) is where 16-byte chunk `chunk` of an output row goes (null: nowhere).
+// Rows from m_end on are not stored.
+template <class Pair, class Dst>
+__device__ __forceinline__ void StagePass(bf16_t* stage, int wg_thread, uint32_t barrier,
+                                          int64_t row0, int64_t m_end, Pair pair, Dst dst) {
+  const int r0 = AccRow(wg_thread), c0 = AccCol(wg_thread);
+  NamedBarrierSync(barrier, 128);  // the warpgroup's reads of the previous pass are done
+  CUTE_UNROLL
+  for (int chunk = 0; chunk < 8; ++chunk) {
+    CUTE_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      const int r = r0 + 8 * half;
+      *reinterpret_cast<uint32_t*>(stage + StageIndex(r, chunk) + c0) = pair(4 * chunk + 2 * half);
+    }
+  }
+  NamedBarrierSync(barrier, 128);
+  for (int i = wg_thread; i < kWarpgroupRows * 8; i += 128) {
+    const int r = i / 8, chunk = i % 8;
     if (row0 + r >= m_end) continue;
-    __nv_bfloat16* out = dst(row0 + r, c);
-    if (out) *reinterpret_cast<uint4*>(out) = *reinterpret_cast<const uint4*>(
-                 stage + r * kStagePitch + c * 8);
+    if (__nv_bfloat16* out = dst(row0 + r, chunk))
+      *reinterpret_cast<uint4*>(out) = *reinterpret_cast<const uint4*>(stage + StageIndex(r, chunk));
   }
 }
 
-// bf16 tiles (kStore, kSwiGLU) through the padded staging tile.
+// bf16 tiles (kStore, kSwiGLU) through the staging tile, 64 columns at a time.
 template <class Kind, class Accum>
 __device__ __forceinline__ void StageAndStore(const GemmParams& p, const GemmTile& tile,
                                               GemmSmem& smem, int thread, const Accum& acc,
                                               int64_t group_base) {
-  using namespace cute;
   using C = GemmConfig;
   constexpr Epilogue kEpi = Kind::kEpi;
   const int wg = thread / 128, wg_thread = thread % 128;
-  const uint32_t wg_barrier = 2 + wg;
+  const uint32_t barrier = 2 + wg;
   bf16_t* stage = smem.stage[wg];
-  bf16_t* slot = stage + AccRow(wg_thread) * kStagePitch + AccCol(wg_thread);
   const int64_t row0 = tile.m0 + wg * kWarpgroupRows;
-  // Each staging pass starts once the warpgroup's previous copy-out has read the tile.
-  NamedBarrierSync(wg_barrier, 128);
   if constexpr (kEpi == Epilogue::kStore) {
-    CUTE_UNROLL
-    for (int v = 0; v < 128; v += 2) {
-      *reinterpret_cast<uint32_t*>(slot + AccRowStep(v) * kStagePitch + AccColStep(v)) =
-          PackBf16(acc(v), acc(v + 1));
-    }
-    NamedBarrierSync(wg_barrier, 128);
     const int64_t col0 = int64_t{tile.n_tile} * C::kBlockN;
     auto* out0 = static_cast<__nv_bfloat16*>(p.out0) + group_base;
     auto* out1 = static_cast<__nv_bfloat16*>(p.out1) + group_base;
-    // 8-column chunks never straddle n_split (a multiple of 64).
-    CopyOut(stage, C::kBlockN / 8, row0, tile.m_end, wg_thread,
-            [&](int64_t row, int c) -> __nv_bfloat16* {
-              const int64_t col = col0 + c * 8;
-              if (col >= p.n) return nullptr;
-              return col < p.n_split ? out0 + row * p.n_split + col
-                                     : out1 + row * p.n_split + (col - p.n_split);
-            });
+    CUTE_UNROLL
+    for (int pass = 0; pass < C::kBlockN / kStageCols; ++pass) {
+      StagePass(stage, wg_thread, barrier, row0, tile.m_end,
+                [&](int u) { return PackBf16(acc(32 * pass + u), acc(32 * pass + u + 1)); },
+                [&](int64_t row, int chunk) -> __nv_bfloat16* {
+                  // 8-column chunks never straddle n_split (a multiple of 64).
+                  const int64_t col = col0 + pass * kStageCols + chunk * 8;
+                  if (col >= p.n) return nullptr;
+                  return col < p.n_split ? out0 + row * p.n_split + col
+                                         : out1 + row * p.n_split + (col - p.n_split);
+                });
+    }
   } else {
     static_assert(kEpi == Epilogue::kSwiGLU);
     // Accumulator columns [0, 128) are gate, [128, 256) up: value v + 64 is the up partner of
-    // gate value v (the atom's values step 8 columns every 4). Two passes through the staging
-    // tile: [g | u] to gu, then silu(g) * u to h.
-    CUTE_UNROLL
-    for (int v = 0; v < 64; v += 2) {
-      bf16_t* at = slot + AccRowStep(v) * kStagePitch + AccColStep(v);
-      *reinterpret_cast<uint32_t*>(at) = PackBf16(acc(v), acc(v + 1));
-      *reinterpret_cast<uint32_t*>(at + 128) = PackBf16(acc(v + 64), acc(v + 65));
-    }
-    NamedBarrierSync(wg_barrier, 128);
+    // gate value v. gu gets [g | u] (gate columns at col0, up columns at n + col0), h gets
+    // silu(g) * u from the f32 values.
     const int64_t col0 = int64_t{tile.n_tile} * (C::kBlockN / 2);
     auto* gu = static_cast<__nv_bfloat16*>(p.out0);
     auto* h = static_cast<__nv_bfloat16*>(p.out1);
-    // gu row: 16 chunks of gate columns, then 16 of up columns (at +n in the (rows, 2n) gu).
-    CopyOut(stage, C::kBlockN / 8, row0, tile.m_end, wg_thread,
-            [&](int64_t row, int c) -> __nv_bfloat16* {
-              const int64_t col = col0 + (c % 16) * 8;
-              return col < p.n ? gu + row * 2 * p.n + (c < 16 ? 0 : p.n) + col : nullptr;
-            });
-    NamedBarrierSync(wg_barrier, 128);
     CUTE_UNROLL
-    for (int v = 0; v < 64; v += 2) {
-      *reinterpret_cast<uint32_t*>(slot + AccRowStep(v) * kStagePitch + AccColStep(v)) =
-          PackBf16(Silu(acc(v)) * acc(v + 64), Silu(acc(v + 1)) * acc(v + 65));
+    for (int pass = 0; pass < C::kBlockN / kStageCols; ++pass) {
+      const int64_t half_base = pass < 2 ? 0 : p.n;  // gate or up half of a gu row
+      StagePass(stage, wg_thread, barrier, row0, tile.m_end,
+                [&](int u) { return PackBf16(acc(32 * pass + u), acc(32 * pass + u + 1)); },
+                [&](int64_t row, int chunk) -> __nv_bfloat16* {
+                  const int64_t col = col0 + (pass % 2) * kStageCols + chunk * 8;
+                  return col < p.n ? gu + row * 2 * p.n + half_base + col : nullptr;
+                });
     }
-    NamedBarrierSync(wg_barrier, 128);
-    CopyOut(stage, C::kBlockN / 16, row0, tile.m_end, wg_thread,
-            [&](int64_t row, int c) -> __nv_bfloat16* {
-              const int64_t col = col0 + c * 8;
-              return col < p.n ? h + row * p.n + col : nullptr;
-            });
+    CUTE_UNROLL
+    for (int pass = 0; pass < C::kBlockN / 2 / kStageCols; ++pass) {
+      StagePass(stage, wg_thread, barrier, row0, tile.m_end,
+                [&](int u) {
+                  const int v = 32 * pass + u;
+                  return PackBf16(Silu(acc(v)) * acc(v + 64), Silu(acc(v + 1)) * acc(v + 65));
+                },
+                [&](int64_t row, int chunk) -> __nv_bfloat16* {
+                  const int64_t col = col0 + pass * kStageCols + chunk * 8;
+                  return col < p.n ? h + row * p.n + col : nullptr;
+                });
+    }
   }
 }
 

@@ -13,12 +13,11 @@ namespace mok::sm90 {
 struct GemmConfig {
   // NOTES: a 128 x 256 tile over two consumer warpgroups (64 x 256 each, one
   // wgmma.m64n256k16 per k16 step) keeps 128 f32 accumulators per thread and reads 48 KB of
-  // shared memory per 64-deep k-step. Three stages (144 KB) leave room for a separate epilogue
-  // staging tile (66 KB), so that the producer fills the next tile's stages during an epilogue.
+  // shared memory per 64-deep k-step; four stages (192 KB) cover L2 latency.
   static constexpr int kBlockM = 128;
   static constexpr int kBlockN = 256;
   static constexpr int kBlockK = 64;
-  static constexpr int kStages = 3;
+  static constexpr int kStages = 4;
   // Groups of a kRowsByGroup or kGroupedK launch, whose offsets are copied to shared memory.
   static constexpr int kMaxGroups = 512;
   static constexpr int kConsumerWarpgroups = 2;

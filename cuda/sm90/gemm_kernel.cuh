@@ -24,9 +24,14 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   const int warpgroup = threadIdx.x / 128;
   const int32_t* offsets = nullptr;
+  const int32_t* tile_start = nullptr;
   if (p.offsets) {
     for (int g = threadIdx.x; g <= p.groups; g += C::kThreads) smem.offsets[g] = p.offsets[g];
     offsets = smem.offsets;
+    tile_start = smem.tile_start;
+    __syncthreads();
+    if (Kind::kSched == Schedule::kRowsByGroup && threadIdx.x / 32 == 1)
+      ScanGroupTiles(offsets, p.groups, threadIdx.x % 32, smem.tile_start);
   }
   if (threadIdx.x == 0) {
     PrefetchTmaDescriptor(&p.a);
@@ -47,16 +52,17 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     SetMaxRegistersDec<C::kProducerRegs>();
     if (threadIdx.x != 0) return;
     for (int64_t linear = blockIdx.x; linear < p.tiles; linear += gridDim.x) {
-      const GemmTile tile = ScheduleTile<Kind::kSched>(p, offsets, linear);
-      if (tile.valid) LoadTile<Kind>(p, tile, smem, it);
+      const GemmTile tile = ScheduleTile<Kind::kSched>(p, offsets, tile_start, linear);
+      if (!tile.valid) break;
+      LoadTile<Kind>(p, tile, smem, it);
     }
   } else {
     SetMaxRegistersInc<C::kConsumerRegs>();
     const int thread = threadIdx.x - 128;
 #pragma unroll 1
     for (int64_t linear = blockIdx.x; linear < p.tiles; linear += gridDim.x) {
-      const GemmTile tile = ScheduleTile<Kind::kSched>(p, offsets, linear);
-      if (!tile.valid) continue;
+      const GemmTile tile = ScheduleTile<Kind::kSched>(p, offsets, tile_start, linear);
+      if (!tile.valid) break;
       auto acc = cute::partition_fragment_C(
           typename GemmLayouts<Kind>::TiledMma{},
           cute::Shape<cute::Int<C::kBlockM>, cute::Int<C::kBlockN>>{});

@@ -42,19 +42,18 @@ struct GemmLayouts {
       cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
 };
 
-// Epilogue staging rows are padded by 16 bytes: the 8 rows a warp's accumulator store touches
-// then fall in distinct banks (row pitch = 4 banks mod 32).
-constexpr int kStagePad = 8;  // bf16
-constexpr int kStagePitch = GemmConfig::kBlockN + kStagePad;
+// Epilogue staging: one (64, 64) bf16 tile per consumer warpgroup, written and copied out once
+// per 64 output columns. Small, so that four pipeline stages fit beside it.
 constexpr int kWarpgroupRows = GemmConfig::kBlockM / GemmConfig::kConsumerWarpgroups;
+constexpr int kStageCols = 64;
 
 struct alignas(1024) GemmSmem {
   bf16_t a[GemmConfig::kStages][GemmConfig::kBlockM * GemmConfig::kBlockK];
   bf16_t b[GemmConfig::kStages][GemmConfig::kBlockN * GemmConfig::kBlockK];
-  // One (64, kStagePitch) epilogue staging tile per consumer warpgroup, apart from the stages
-  // that the producer is already filling with the next tile.
-  bf16_t stage[GemmConfig::kConsumerWarpgroups][kWarpgroupRows * kStagePitch];
-  int32_t offsets[GemmConfig::kMaxGroups + 1];
+  // Apart from the stages, which the producer is already filling with the next tile.
+  bf16_t stage[GemmConfig::kConsumerWarpgroups][kWarpgroupRows * kStageCols];
+  int32_t offsets[GemmConfig::kMaxGroups + 1];     // the groups' first rows
+  int32_t tile_start[GemmConfig::kMaxGroups + 1];  // kRowsByGroup: the groups' first tiles
   uint64_t full[GemmConfig::kStages];   // TMA bytes landed
   uint64_t empty[GemmConfig::kStages];  // both consumer warpgroups done reading
 };
