@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <mutex>
 
 #include "gemm_kernel.cuh"
@@ -19,10 +20,23 @@ struct Matrix {
 
 inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Row-group GEMMs with at most this many k-steps per tile run persistent.
+constexpr int kPersistentMaxK = 1000000;
+
 // K-major operands are read in (64, box_rows) boxes, MN-major ones in (64, 64) boxes.
 inline bool Describe(CUtensorMap* map, const Matrix& m, bool k_major, int box_rows) {
   return MakeTensorMap(map, m.base, m.inner, m.rows, GemmConfig::kBoxInner,
                        k_major ? box_rows : GemmConfig::kBlockK);
+}
+
+// Whether to launch one CTA per SM that walks the tiles (persistent), or one CTA per tile. The
+// kernel is the same; persistence overlaps an epilogue with the next tile's loads, which pays
+// when tiles are short. MOK_GEMM_PERSISTENT=0/1 overrides (a diagnostic).
+template <class Kind>
+bool Persistent(const GemmParams& p) {
+  static const char* env = std::getenv("MOK_GEMM_PERSISTENT");
+  if (env && (env[0] == '0' || env[0] == '1')) return env[0] == '1';
+  return Kind::kSched == Schedule::kGroupedK || p.k / GemmConfig::kBlockK <= kPersistentMaxK;
 }
 
 // Launches one grouped GEMM of `Kind`. `p` carries everything but the tensor maps and tile
@@ -56,8 +70,7 @@ const char* LaunchGemm(GemmParams p, const Matrix& a, const Matrix& b0, const Ma
   });
   if (attr != cudaSuccess) return cudaGetErrorString(attr);
   if (p.tiles == 0) return nullptr;
-  // Persistent: one CTA per SM (the shared memory allows no second one).
-  const int64_t ctas = std::min<int64_t>(p.tiles, sms);
+  const int64_t ctas = Persistent<Kind>(p) ? std::min<int64_t>(p.tiles, sms) : p.tiles;
   GroupedGemmKernel<Kind>
       <<<static_cast<unsigned>(ctas), C::kThreads, kGemmSmemBytes, stream>>>(p);
   return nullptr;
