@@ -38,6 +38,10 @@ def versions() -> dict:
 
 @functools.lru_cache(maxsize=None)
 def git_commit() -> str | None:
+  # MOK_BENCH_COMMIT names the commit when the tree was copied without its history (a remote
+  # GPU machine may hold a stale .git).
+  if os.environ.get("MOK_BENCH_COMMIT"):
+    return os.environ["MOK_BENCH_COMMIT"]
   here = os.path.dirname(os.path.abspath(__file__))
   try:
     out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=here, text=True,

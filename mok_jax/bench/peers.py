@@ -154,7 +154,15 @@ def _tokamax_ragged_dot(shape, dtype):
     note = _tokamax_pick(grouped, shape, dtype)
   except Exception as exc:  # pylint: disable=broad-except
     note = f"could not tell which tokamax implementation runs: {describe_exception(exc, 200)}"
-  return grouped, note
+
+  def operand_dtype_out(lhs, rhs, group_sizes, preferred_element_type=None, **kwargs):
+    # tokamax's backward takes a cotangent of the operands' dtype only ("lhs and rhs must have
+    # the same dtype" for an f32 one): the product comes out in that dtype, as a tokamax user
+    # writes it, and is widened afterwards.
+    out = grouped(lhs, rhs, group_sizes=group_sizes, **kwargs)
+    return out if preferred_element_type is None else out.astype(preferred_element_type)
+
+  return operand_dtype_out, note
 
 
 def _layer_precision(reference, dtype):
