@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import mok_jax
 from mok_jax import ops
@@ -112,6 +113,28 @@ def loss_and_grads(case: Case, backend, config=None, jit=True):
   f = grad_fn(case, backend, config)
   if jit:
     f = jax.jit(f)
+  (_, y), g = f(*case.params())
+  return np.asarray(y), {name: np.asarray(v) for name, v in named_grads(case, g).items()}
+
+
+def sharded_loss_and_grads(case: Case, backend, mesh, x_spec, w_spec, axis_name, config=None):
+  """loss_and_grads with moe applied inside shard_map: tokens (and routes) split by x_spec,
+  experts by w_spec, the shared expert replicated."""
+
+  def layer(x, experts, weights, w_gate, w_up, w_down, shared):
+    return mok_jax.moe(x, experts, weights, w_gate, w_up, w_down, shared=shared,
+                       axis_name=axis_name, config=config, backend=backend)
+
+  sharded = jax.shard_map(layer, mesh=mesh,
+                          in_specs=(x_spec, x_spec, x_spec, w_spec, w_spec, w_spec, P()),
+                          out_specs=x_spec)
+  experts = jnp.asarray(case.experts)
+
+  def loss(x, weights, w_gate, w_up, w_down, shared):
+    y = sharded(x, experts, weights, w_gate, w_up, w_down, shared)
+    return jnp.sum(y.astype(jnp.float32) * case.dy), y
+
+  f = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True))
   (_, y), g = f(*case.params())
   return np.asarray(y), {name: np.asarray(v) for name, v in named_grads(case, g).items()}
 

@@ -5,7 +5,6 @@ gradients (jax.grad of a loss of the shard_mapped function), for EP sizes 1, 2, 
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -13,7 +12,8 @@ from jax.sharding import PartitionSpec as P
 import mok_jax
 import oracle
 from cases import (BF16, BF16_GRAD_RTOL, BF16_RTOL, CPU_BACKENDS, F32, F32_RTOL, assert_close,
-                   assert_grads_close, distinct_experts, loss_and_grads, make_case)
+                   assert_grads_close, distinct_experts, loss_and_grads, make_case,
+                   sharded_loss_and_grads)
 
 T, H, I, E, K, IS = 24, 16, 8, 8, 3, 8  # T and E divide by every EP size up to 8
 OUT_OF_RANGE = (-1, E, 2**31 - 1)
@@ -29,31 +29,6 @@ def ep_case(Is, dtype=F32, seed=0):
 def mesh_of(*shape, names=("ep",)):
   n = int(np.prod(shape))
   return jax.sharding.Mesh(np.array(jax.devices()[:n]).reshape(shape), names)
-
-
-def sharded_loss_and_grads(case, backend, mesh, x_spec, w_spec, axis_name):
-  """y and the gradients of sum(dy * y), with moe applied inside shard_map."""
-
-  def layer(x, experts, weights, w_gate, w_up, w_down, shared):
-    return mok_jax.moe(x, experts, weights, w_gate, w_up, w_down, shared=shared,
-                       axis_name=axis_name, backend=backend)
-
-  sharded = jax.shard_map(layer, mesh=mesh,
-                          in_specs=(x_spec, x_spec, x_spec, w_spec, w_spec, w_spec, P()),
-                          out_specs=x_spec)
-  experts = jnp.asarray(case.experts)
-
-  def loss(x, weights, w_gate, w_up, w_down, shared):
-    y = sharded(x, experts, weights, w_gate, w_up, w_down, shared)
-    return jnp.sum(y.astype(jnp.float32) * case.dy), y
-
-  f = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True))
-  (_, y), g = f(case.x, case.weights, case.w_gate, case.w_up, case.w_down, case.shared)
-  names = ("x", "weights", "w_gate", "w_up", "w_down")
-  grads = dict(zip(names, g[:5]))
-  if case.shared is not None:
-    grads.update(zip(("ws_gate", "ws_up", "ws_down"), g[5]))
-  return np.asarray(y), {k: np.asarray(v) for k, v in grads.items()}
 
 
 @functools.cache

@@ -11,8 +11,8 @@ from jax.sharding import PartitionSpec as P
 
 import mok_jax
 import oracle
-from cases import (BF16, F32, F32_RTOL, GRAD_NAMES, assert_grads_close, bits, cuda_routing,
-                   loss_and_grads, make_case, oracle_grads_dict)
+from cases import (BF16, F32, F32_RTOL, assert_grads_close, bits, cuda_routing,
+                   loss_and_grads, make_case, oracle_grads_dict, sharded_loss_and_grads)
 from mok_jax import ops
 
 MODES = (False, True)  # Config.recompute
@@ -63,38 +63,15 @@ def test_recompute_matches_oracle():
   assert_grads_close(grads, want, F32_RTOL, "recompute")
 
 
-def ep_loss_and_grads(case, ep, config):
-  """y and the gradients of sum(dy * y), with experts and tokens sharded over `ep` CPU devices."""
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:ep]), ("ep",))
-
-  def layer(x, experts, weights, w_gate, w_up, w_down, shared):
-    return mok_jax.moe(x, experts, weights, w_gate, w_up, w_down, shared=shared,
-                       axis_name="ep", config=config, backend="ffi")
-
-  x_spec = w_spec = P("ep")
-  sharded = jax.shard_map(layer, mesh=mesh,
-                          in_specs=(x_spec, x_spec, x_spec, w_spec, w_spec, w_spec, P()),
-                          out_specs=x_spec)
-  experts = jnp.asarray(case.experts)
-
-  def loss(x, weights, w_gate, w_up, w_down, shared):
-    y = sharded(x, experts, weights, w_gate, w_up, w_down, shared)
-    return jnp.sum(y.astype(jnp.float32) * case.dy), y
-
-  f = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True))
-  (_, y), g = f(case.x, case.weights, case.w_gate, case.w_up, case.w_down, case.shared)
-  grads = dict(zip(GRAD_NAMES[:5], g[:5]))
-  grads.update(zip(GRAD_NAMES[5:], g[5]))
-  return np.asarray(y), {name: np.asarray(v) for name, v in grads.items()}
-
-
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
 @pytest.mark.parametrize("ep", [2, 4])
 def test_same_bits_expert_parallel(ep, dtype):
   """Under shard_map each rank's call returns an f32 partial y and gets an f32 dy."""
   ids = cuda_routing("out_of_range", T=32, E=8, k=3, seed=4)
   case = make_case(T=32, H=16, I=8, E=8, Is=8, dtype=dtype, seed=10, experts=ids)
-  save, recompute = (ep_loss_and_grads(case, ep, mok_jax.Config(block_m=4, recompute=r))
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:ep]), ("ep",))
+  save, recompute = (sharded_loss_and_grads(case, "ffi", mesh, P("ep"), P("ep"), "ep",
+                                            mok_jax.Config(block_m=4, recompute=r))
                      for r in MODES)
   assert_same_bits(save, recompute, f"EP={ep}")
 
