@@ -62,7 +62,8 @@ __device__ __forceinline__ void StagePass(bf16_t* stage, int wg_thread, uint32_t
     const int r = i / 8, chunk = i % 8;
     if (row0 + r >= m_end) continue;
     if (__nv_bfloat16* out = dst(row0 + r, chunk))
-      *reinterpret_cast<uint4*>(out) = *reinterpret_cast<const uint4*>(stage + StageIndex(r, chunk));
+      *reinterpret_cast<uint4*>(out) =
+          *reinterpret_cast<const uint4*>(stage + StageIndex(r, chunk));
   }
 }
 
