@@ -132,9 +132,23 @@ def jax_layer(name: str, shape, dtype):
 
   def layer(x, experts, weights, w_gate, w_up, w_down, shared):
     return reference.moe_local(x, experts, weights, w_gate, w_up, w_down, shared,
-                               out_dtype=x.dtype, ragged_dot=grouped)
+                               out_dtype=x.dtype, ragged_dot=_operand_dtype_out(grouped))
 
   return layer, note
+
+
+def _operand_dtype_out(grouped):
+  """`grouped` with its product in the operands' dtype, widened afterwards, as a user of the
+  peers writes the layer: tokamax's backward takes a cotangent of the operands' dtype only
+  ("lhs and rhs must have the same dtype" for an f32 one), and jax.lax.ragged_dot with f32
+  products ran mixtral's forward+backward at half the rate ../shared/baselines/h200.md reports
+  (47 against 93 TFLOP/s on the H200, 2026-11-29; not re-measured in this form yet)."""
+
+  def call(lhs, rhs, group_sizes, preferred_element_type=None, **kwargs):
+    out = grouped(lhs, rhs, group_sizes=group_sizes, **kwargs)
+    return out if preferred_element_type is None else out.astype(preferred_element_type)
+
+  return call
 
 
 def _tokamax_ragged_dot(shape, dtype):
@@ -155,14 +169,7 @@ def _tokamax_ragged_dot(shape, dtype):
   except Exception as exc:  # pylint: disable=broad-except
     note = f"could not tell which tokamax implementation runs: {describe_exception(exc, 200)}"
 
-  def operand_dtype_out(lhs, rhs, group_sizes, preferred_element_type=None, **kwargs):
-    # tokamax's backward takes a cotangent of the operands' dtype only ("lhs and rhs must have
-    # the same dtype" for an f32 one): the product comes out in that dtype, as a tokamax user
-    # writes it, and is widened afterwards.
-    out = grouped(lhs, rhs, group_sizes=group_sizes, **kwargs)
-    return out if preferred_element_type is None else out.astype(preferred_element_type)
-
-  return operand_dtype_out, note
+  return grouped, note
 
 
 def _layer_precision(reference, dtype):
