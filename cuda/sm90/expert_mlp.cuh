@@ -12,10 +12,9 @@ namespace mok::sm90 {
 // gu = [x_rows @ w_gate | x_rows @ w_up] (m, 2I) and h = silu(g) * u (m, I), bf16, over the row
 // groups of `offsets` (null: one group of m rows); w_gate and w_up are (groups, H, I).
 //
-// NOTES: defined in expert_mlp.cu alone. nvcc gives every translation unit its own copy of a
-// kernel template instantiation, while LaunchGemm's once-only cudaFuncSetAttribute (a static
-// of an inline function) is shared by all of them: a second unit instantiating FwdGateUp would
-// launch a copy whose shared-memory limit was never raised.
+// Defined in expert_mlp.cu alone: nvcc gives every translation unit that instantiates a kernel
+// template its own copy, and the forward and the recomputing backward should run one and the
+// same compiled gate|up kernel.
 const char* LaunchGateUp(const void* x_rows, const void* w_gate, const void* w_up,
                          const int32_t* offsets, int block_m, int groups, int64_t m, int64_t H,
                          int64_t I, void* gu, void* h, cudaStream_t stream);

@@ -4,9 +4,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
-#include <mutex>
 
 #include "gemm_kernel.cuh"
+#include "shared_memory.h"
 #include "tensor_map.h"
 
 namespace mok::sm90 {
@@ -66,14 +66,10 @@ const char* LaunchGemm(GemmParams p, const Matrix& a, const Matrix& b0, const Ma
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
     return "could not read the GPU's multiprocessor count";
-  static std::once_flag once;
-  static cudaError_t attr = cudaSuccess;
-  std::call_once(once, [] {
-    attr = cudaFuncSetAttribute(GroupedGemmKernel<Kind>,
-                                cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                static_cast<int>(kGemmSmemBytes));
-  });
-  if (attr != cudaSuccess) return cudaGetErrorString(attr);
+  if (cudaError_t e = AllowSharedMemory(reinterpret_cast<const void*>(GroupedGemmKernel<Kind>),
+                                         static_cast<int>(kGemmSmemBytes));
+      e != cudaSuccess)
+    return cudaGetErrorString(e);
   if (p.tiles == 0) return nullptr;
   const int64_t ctas = Persistent<Kind>(p) ? std::min<int64_t>(p.tiles, sms) : p.tiles;
   GroupedGemmKernel<Kind>

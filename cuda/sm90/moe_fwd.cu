@@ -1,7 +1,6 @@
 // Launch of the forward on one GPU: layout -> gather -> GEMM1 (gate|up, SwiGLU) -> GEMM2 ->
 // combine, all enqueued on XLA's stream with no host synchronisation.
 #include <cstdlib>
-#include <mutex>
 #include <string>
 
 #include "../launch.h"
@@ -10,6 +9,7 @@
 #include "gather.cuh"
 #include "gemm_launch.cuh"
 #include "layout.cuh"
+#include "shared_memory.h"
 
 namespace mok::cuda {
 
@@ -85,14 +85,10 @@ const char* LaunchMoeFwd(const MoeFwdArgs& a, cudaStream_t stream) {
   // 1. Layout.
   if (auto err = Check(cudaMemsetAsync(a.rows, 0xff, a.R * sizeof(int32_t), stream))) return err;
   const size_t rank_smem = size_t{sm90::kLayoutWarps} * E * sizeof(int32_t);
-  static std::once_flag once;
-  static cudaError_t attr = cudaSuccess;
-  std::call_once(once, [] {
-    attr = cudaFuncSetAttribute(
-        sm90::LayoutRankKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-        static_cast<int>(size_t{sm90::kLayoutWarps} * sm90::kMaxExperts * sizeof(int32_t)));
-  });
-  if (auto err = Check(attr)) return err;
+  if (auto err = Check(sm90::AllowSharedMemory(
+          reinterpret_cast<const void*>(sm90::LayoutRankKernel),
+          static_cast<int>(size_t{sm90::kLayoutWarps} * sm90::kMaxExperts * sizeof(int32_t)))))
+    return err;
   sm90::LayoutRankKernel<<<chunks, sm90::kLayoutChunk, rank_smem, stream>>>(
       a.experts, routes, E, a.pos, a.layout);
   sm90::LayoutOffsetsKernel<<<1, 1024, 0, stream>>>(a.layout, static_cast<int>(chunks), E,
