@@ -1,6 +1,7 @@
-// The grouped expert GEMM kernel: persistent and warp-specialised (one producer warpgroup, two
-// consumer warpgroups), TMA -> mbarrier ring -> wgmma, then an epilogue. While the consumers
-// run a tile's epilogue, the producer is already loading the next tile's stages.
+// The grouped expert GEMM kernel: warp-specialised (one producer warpgroup, two consumer
+// warpgroups), TMA -> mbarrier ring -> wgmma, then an epilogue, over the tiles that the grid
+// stride gives the CTA. On a persistent grid, while the consumers run a tile's epilogue, the
+// producer is already loading the next tile's stages.
 #pragma once
 
 #include "epilogue.cuh"

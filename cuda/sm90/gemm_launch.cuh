@@ -32,9 +32,11 @@ inline bool Describe(CUtensorMap* map, const Matrix& m, bool k_major, int box_ro
 // Whether to launch one CTA per SM that walks the tiles (persistent), or one CTA per tile. The
 // kernel is the same. Persistence overlaps an epilogue with the next tile's loads; one CTA per
 // tile lets the hardware hand out tiles in order as SMs free up, which keeps the CTAs that
-// share an expert's weights together in time. Measured on the H200 (2026-11-29): experts of a
-// few hundred rows (gptoss_120b, dsv3) ran 8-14% faster with one CTA per tile, experts of
-// thousands (mixtral, qwen3_30b) and the weight gradients 1-5% faster persistent.
+// share an expert's weights together in time. Measured on the H200 (2026-11-29), forcing one
+// or the other everywhere: the forward with experts of a few hundred rows (gptoss_120b, dsv3)
+// ran 9-14% faster with one CTA per tile, with experts of thousands (mixtral, qwen3_30b) 0-3%
+// faster persistent, and the backward of all four shapes 1-10% faster persistent. This choice
+// (persistent but for row groups averaging under 1024 rows) beat both in the bench.
 // MOK_GEMM_PERSISTENT=0/1 overrides (a diagnostic).
 template <class Kind>
 bool Persistent(const GemmParams& p) {
