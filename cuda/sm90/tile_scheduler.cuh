@@ -1,5 +1,5 @@
 // Which output tiles a CTA computes, and over which reduction range. CTA c takes the linear
-// tiles c, c + grid, c + 2 grid, ... (all of them on a persistent grid of one CTA per SM, one on
+// tiles c, c + grid, c + 2 grid, ... (many on a persistent grid of one CTA per SM, one on
 // a grid of one CTA per tile), column tiles fastest, so the CTAs busy at once share
 // row blocks of A (read from HBM once) and the weights of a few experts (L2). The group offsets
 // live in shared memory: finding a tile's group is a short search there, not a chain of global
