@@ -201,9 +201,9 @@ def _tokamax_pick(grouped, shape, dtype) -> str:
           sds((shape.E,), jnp.int32))
   skipped = []
   for impl in order:
+    # As _operand_dtype_out calls it: the product in the operands' dtype.
     call = functools.partial(grouped, precision=_layer_precision(reference, dtype),
-                             preferred_element_type=jnp.float32, implementation=impl,
-                             bypass_device_check=False)
+                             implementation=impl, bypass_device_check=False)
     try:
       jax.jit(lambda a, b, g, call=call: call(a, b, group_sizes=g)).lower(*args)
     except NotImplementedError as exc:
