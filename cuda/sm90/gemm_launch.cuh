@@ -20,6 +20,10 @@ struct Matrix {
 
 inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+inline const char* Check(cudaError_t e) {
+  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+}
+
 // Row-group GEMMs whose groups average at least this many rows run persistent.
 constexpr int kPersistentMinRowsPerGroup = 1024;
 
@@ -64,16 +68,18 @@ const char* LaunchGemm(GemmParams p, const Matrix& a, const Matrix& b0, const Ma
   if (p.offsets && p.groups > C::kMaxGroups) return "too many groups for one grouped GEMM";
   if (p.offsets && p.block_m != 64 && p.block_m != C::kBlockM) return "block_m must be 64 or 128";
   p.tiles = LinearTiles<Kind::kSched>(p);
-  int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
-    return "could not read the GPU's multiprocessor count";
-  if (cudaError_t e = AllowSharedMemory(reinterpret_cast<const void*>(GroupedGemmKernel<Kind>),
-                                         static_cast<int>(kGemmSmemBytes));
-      e != cudaSuccess)
-    return cudaGetErrorString(e);
+  if (auto err = Check(AllowSharedMemory(reinterpret_cast<const void*>(GroupedGemmKernel<Kind>),
+                                          static_cast<int>(kGemmSmemBytes))))
+    return err;
   if (p.tiles == 0) return nullptr;
-  const int64_t ctas = Persistent<Kind>(p) ? std::min<int64_t>(p.tiles, sms) : p.tiles;
+  int64_t ctas = p.tiles;
+  if (Persistent<Kind>(p)) {  // one CTA per SM: the shared memory allows no second one
+    int device = 0, sms = 0;
+    if (auto err = Check(cudaGetDevice(&device))) return err;
+    if (auto err = Check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)))
+      return err;
+    ctas = std::min<int64_t>(ctas, sms);
+  }
   GroupedGemmKernel<Kind>
       <<<static_cast<unsigned>(ctas), C::kThreads, kGemmSmemBytes, stream>>>(p);
   return nullptr;

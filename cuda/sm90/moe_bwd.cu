@@ -17,12 +17,11 @@
 namespace mok::cuda {
 
 using sm90::CeilDiv;
+using sm90::Check;
 using sm90::GemmParams;
 using sm90::Matrix;
 
 namespace {
-
-const char* Check(cudaError_t e) { return e == cudaSuccess ? nullptr : cudaGetErrorString(e); }
 
 // The expert MLPs' backward over the row groups of `offsets` (null: one group of m rows).
 // x_rows, gu and dy_r are the MLP's input rows, saved pre-activations and output gradients.

@@ -14,13 +14,12 @@
 namespace mok::cuda {
 
 using sm90::CeilDiv;
+using sm90::Check;
 using sm90::GemmConfig;
 using sm90::GemmParams;
 using sm90::Matrix;
 
 namespace {
-
-const char* Check(cudaError_t e) { return e == cudaSuccess ? nullptr : cudaGetErrorString(e); }
 
 // MOK_FWD_SKIP, a diagnostic: the stages named in it (comma-separated) are left out, so that
 // timing the forward without each one shows where its time goes; the results are then wrong.
