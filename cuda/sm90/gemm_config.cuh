@@ -88,6 +88,7 @@ struct GemmParams {
   int k_split;              // K-major B: b0 serves k < k_split, b1 the rest (at k - k_split)
   int n_split;              // kStore*: column split and row pitch of the outputs
   int n_tiles, m_tiles;
+  int raster_rows;          // row tiles per band of the tile order (tile_scheduler.cuh)
   int64_t tiles;            // linear tiles (LinearTiles); the persistent grid strides over them
   int64_t group_stride;     // kGroupedK: elements between consecutive groups' outputs
   void* out0;

@@ -50,6 +50,18 @@ bool Persistent(const GemmParams& p) {
   return p.m_total >= int64_t{kPersistentMinRowsPerGroup} * p.groups;
 }
 
+// Row tiles per band of the tile order. Eight row tiles and the column panels the rest of a
+// wave of 132 CTAs spans keep the bytes a wave reads from HBM near the smallest for all four
+// bench shapes. MOK_GEMM_RASTER_ROWS overrides (a diagnostic; 1 = column tiles fastest).
+inline int RasterRows() {
+  static const int rows = [] {
+    const char* env = std::getenv("MOK_GEMM_RASTER_ROWS");
+    const int v = env ? std::atoi(env) : 0;
+    return v > 0 ? v : 8;
+  }();
+  return rows;
+}
+
 // Launches one grouped GEMM of `Kind`. `p` carries everything but the tensor maps and tile
 // counts; b1 is read only by kSwiGLU and by a K-major B split at p.k_split.
 template <class Kind>
@@ -68,6 +80,7 @@ const char* LaunchGemm(GemmParams p, const Matrix& a, const Matrix& b0, const Ma
   if (p.offsets && p.groups > C::kMaxGroups) return "too many groups for one grouped GEMM";
   if (p.offsets && p.block_m != 64 && p.block_m != C::kBlockM) return "block_m must be 64 or 128";
   p.tiles = LinearTiles<Kind::kSched>(p);
+  p.raster_rows = RasterRows();
   if (auto err = Check(AllowSharedMemory(reinterpret_cast<const void*>(GroupedGemmKernel<Kind>),
                                           static_cast<int>(kGemmSmemBytes))))
     return err;

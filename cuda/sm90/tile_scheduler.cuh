@@ -1,10 +1,13 @@
 // Which output tiles a CTA computes, and over which reduction range. CTA c takes the linear
 // tiles c, c + grid, c + 2 grid, ... (many on a persistent grid of one CTA per SM, one on
-// a grid of one CTA per tile), column tiles fastest, so the CTAs busy at once share
-// row blocks of A (read from HBM once) and the weights of a few experts (L2). The group offsets
-// live in shared memory: finding a tile's group is a short search there, not a chain of global
-// loads at the start of every tile. Row tiles are numbered without gaps, so that every index up
-// to the last is work (block_m = 64 would otherwise leave every other index empty).
+// a grid of one CTA per tile). Within a group the tiles come in bands of raster_rows row tiles,
+// rows fastest inside a band, so the CTAs busy at once share a few weight column panels and a
+// few row blocks of A. Column tiles fastest instead made every row tile re-read all of a large
+// expert's weights from HBM (mixtral's gate|up: 235 MB per expert, 16 row tiles). The group
+// offsets live in shared memory: finding a tile's group is a short search there, not a chain
+// of global loads at the start of every tile. Row tiles are numbered without gaps, so that
+// every index up to the last is work (block_m = 64 would otherwise leave every other index
+// empty).
 #pragma once
 
 #include <cstdint>
@@ -60,6 +63,20 @@ __device__ __forceinline__ void ScanGroupTiles(const int32_t* offsets, int group
   if (lane == 31) tile_start[groups] = inclusive;
 }
 
+// The (row tile, column tile) of tile `local` of a group with `rows` row tiles and `cols`
+// column tiles: bands of `band` row tiles, rows fastest within a band.
+struct RasterPos {
+  int64_t row;
+  int col;
+};
+__device__ __forceinline__ RasterPos Raster(int64_t local, int64_t rows, int cols, int band) {
+  const int64_t per_band = int64_t{band} * cols;
+  const int64_t b = local / per_band;
+  const int64_t in_band = local - b * per_band;
+  const int64_t band_rows = min(int64_t{band}, rows - b * band);
+  return {b * band + in_band % band_rows, static_cast<int>(in_band / band_rows)};
+}
+
 // offsets, tile_start: the groups' offsets and ScanGroupTiles in shared memory, or null (one
 // group). Tiles come in increasing linear order; the first invalid one ends the CTA's walk.
 template <Schedule kSched>
@@ -67,37 +84,44 @@ __device__ __forceinline__ GemmTile ScheduleTile(const GemmParams& p, const int3
                                                  const int32_t* tile_start, int64_t linear) {
   using C = GemmConfig;
   GemmTile t;
-  t.n_tile = static_cast<int>(linear % p.n_tiles);
-  const int64_t rest = linear / p.n_tiles;
   t.valid = true;
   t.half = false;
   t.k_begin = 0;
   t.group = 0;
   if constexpr (kSched == Schedule::kRowsByGroup) {
+    int64_t first = 0, rows = (p.m_total + C::kBlockM - 1) / C::kBlockM;
     if (offsets) {
-      t.valid = rest < tile_start[p.groups];
+      t.valid = linear < int64_t{tile_start[p.groups]} * p.n_tiles;
       if (!t.valid) return t;
       // The last group whose first tile is at or before this one (empty groups share their
       // first tile with the next group).
       int lo = 0, hi = p.groups - 1;
       while (lo < hi) {
         const int mid = (lo + hi + 1) / 2;
-        if (tile_start[mid] <= rest) lo = mid; else hi = mid - 1;
+        if (int64_t{tile_start[mid]} * p.n_tiles <= linear) lo = mid; else hi = mid - 1;
       }
       t.group = lo;
-      t.m0 = offsets[lo] + (rest - tile_start[lo]) * C::kBlockM;
-      t.m_end = offsets[lo + 1];
-      t.half = t.m_end - t.m0 <= C::kBlockM / 2;
+      first = tile_start[lo];
+      rows = tile_start[lo + 1] - first;
     } else {
-      t.m0 = rest * C::kBlockM;
-      t.m_end = p.m_total;
-      t.valid = t.m0 < t.m_end;
+      t.valid = linear < rows * p.n_tiles;
+      if (!t.valid) return t;
     }
+    const RasterPos pos = Raster(linear - first * p.n_tiles, rows, p.n_tiles, p.raster_rows);
+    t.n_tile = pos.col;
+    t.m0 = (offsets ? offsets[t.group] : 0) + pos.row * C::kBlockM;
+    t.m_end = offsets ? offsets[t.group + 1] : p.m_total;
+    t.half = offsets && t.m_end - t.m0 <= C::kBlockM / 2;
     t.num_k = p.k / C::kBlockK;
   } else {
-    t.valid = rest < int64_t{p.groups} * p.m_tiles;
-    t.group = static_cast<int>(rest / p.m_tiles);
-    t.m0 = (rest % p.m_tiles) * C::kBlockM;
+    const int64_t per_group = int64_t{p.m_tiles} * p.n_tiles;
+    t.valid = linear < int64_t{p.groups} * per_group;
+    if (!t.valid) return t;
+    t.group = static_cast<int>(linear / per_group);
+    const RasterPos pos = Raster(linear - t.group * per_group, p.m_tiles, p.n_tiles,
+                                 p.raster_rows);
+    t.n_tile = pos.col;
+    t.m0 = pos.row * C::kBlockM;
     t.m_end = p.m;
     t.k_begin = offsets ? offsets[t.group] : 0;
     const int64_t k_end = offsets ? offsets[t.group + 1] : p.m_total;
