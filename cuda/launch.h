@@ -27,9 +27,9 @@ struct MoeFwdArgs {
   int32_t* pos;           // (T, k)
   int32_t* offsets;       // (E + 1)
   int32_t* rows;          // (R)
-  void* gu;               // (R, 2I) bf16: a residual, or scratch with Config.recompute
+  void* gu;               // (R, 2I) bf16 residual; null with Config.recompute (not written)
   void* y_routed;         // (R, H) bf16
-  void* gu_shared;        // (T, 2Is) bf16, like gu
+  void* gu_shared;        // (T, 2Is) bf16, like gu (null with recompute)
   void* xs;               // scratch (R, H) bf16: gathered token rows, zero padding rows
   void* h;                // scratch (R, I) bf16: silu(g) * u
   void* h_shared;         // scratch (T, Is) bf16

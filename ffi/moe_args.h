@@ -14,7 +14,8 @@ namespace mok {
 namespace ffi = xla::ffi;
 
 // Sizes of one call. R = routed rows (mok_jax.ops.routed_rows). recompute (Config.recompute):
-// gu and gu_shared are scratch of each call instead of residuals.
+// the forward keeps (and writes) no gu and gu_shared; the backward recomputes them into its
+// own scratch.
 struct MoeDims {
   int64_t T, H, I, E, k, Is, R, block_m;
   bool recompute;
@@ -52,9 +53,7 @@ struct MoeFwdResults {
   ffi::AnyBuffer h_shared;  // scratch (T, Is) like x
   ffi::AnyBuffer y_shared;  // scratch (T, H) like x, (0, H) when Is = 0: shared output
   ffi::AnyBuffer layout;    // scratch (LayoutScratchInts(T * k, E)) s32
-  // With recompute the forward's gu goes here instead of into the residuals.
-  ffi::AnyBuffer gu_scratch;         // scratch (R, 2I) like x; (0, 2I) without recompute
-  ffi::AnyBuffer gu_shared_scratch;  // scratch (T, 2Is) like x; (0, 2Is) without recompute
+  // No gu scratch: with recompute the forward does not keep gu, so it writes none.
 };
 
 struct MoeBwdResults {
@@ -85,7 +84,7 @@ int64_t RoutedRows(int64_t routes, int64_t experts, int64_t block_m);
 // Checks the inputs and returns the sizes of the call.
 ffi::ErrorOr<MoeDims> CheckInputs(const char* target, const MoeInputs& in, int64_t block_m,
                                   bool recompute);
-// gu and gu_shared have the rows that d.recompute implies, as residuals and as scratch.
+// gu and gu_shared have the rows that d.recompute implies (zero with recompute).
 ffi::Error CheckFwdResults(const MoeDims& d, ffi::DataType dtype, const MoeFwdResults& out);
 // dy is (T, H) of x's dtype or f32; the residuals are as CheckFwdResults wants them.
 ffi::Error CheckBwdArgs(const MoeDims& d, ffi::DataType dtype, ffi::AnyBuffer dy,
@@ -123,8 +122,6 @@ auto BindMoeFwd(Binding binding) {
       .template Ret<ffi::AnyBuffer>()            // scratch h_shared (T, Is)
       .template Ret<ffi::AnyBuffer>()            // scratch y_shared (T or 0, H)
       .template Ret<ffi::AnyBuffer>()            // scratch layout s32
-      .template Ret<ffi::AnyBuffer>()            // scratch gu (R, 2I); (0, 2I) without recompute
-      .template Ret<ffi::AnyBuffer>()            // scratch gu_shared (T, 2Is); (0, 2Is) without
       .template Attr<int64_t>("block_m")
       .template Attr<bool>("recompute");
 }

@@ -60,7 +60,10 @@ void Forward(const MoeDims& d, const MoeInputs& in, const MoeFwdResults& out) {
           *wd = in.w_down.reinterpret_data<S>();
   int32_t* pos = out.res.pos.reinterpret_data<int32_t>();
   int32_t* rows = out.res.rows.reinterpret_data<int32_t>();
-  S* gu = (d.recompute ? out.gu_scratch : out.res.gu).reinterpret_data<S>();
+  // With recompute gu is not kept: each row's gu goes to gu_local, overwritten by the next
+  // (GateUp needs somewhere to round it to; h comes from the f32 g, u, so y has the same bits).
+  S* gu = d.recompute ? nullptr : out.res.gu.reinterpret_data<S>();
+  std::vector<S> gu_local(d.recompute ? 2 * std::max(I, Is) : 0);
   S* y_routed = out.res.y_routed.reinterpret_data<S>();
   S* xs = out.xs.reinterpret_data<S>();
   S* h = out.h.reinterpret_data<S>();
@@ -71,11 +74,11 @@ void Forward(const MoeDims& d, const MoeInputs& in, const MoeFwdResults& out) {
   std::fill(layout, layout + out.layout.element_count(), 0);  // the CPU layout needs no scratch
   std::vector<float> g(std::max(I, Is)), u(std::max(I, Is)), acc(H);
   for (int64_t r = 0; r < d.R; ++r) {
-    S *xs_row = xs + r * H, *gu_row = gu + r * 2 * I, *h_row = h + r * I,
+    S *xs_row = xs + r * H, *gu_row = gu ? gu + r * 2 * I : gu_local.data(), *h_row = h + r * I,
       *yr_row = y_routed + r * H;
     if (rows[r] < 0) {  // padding: zeros, as the GPU's zero-filled rows give
       std::fill(xs_row, xs_row + H, Store<S>(0.0f));
-      std::fill(gu_row, gu_row + 2 * I, Store<S>(0.0f));
+      if (gu) std::fill(gu_row, gu_row + 2 * I, Store<S>(0.0f));
       std::fill(h_row, h_row + I, Store<S>(0.0f));
       std::fill(yr_row, yr_row + H, Store<S>(0.0f));
       continue;
@@ -87,15 +90,15 @@ void Forward(const MoeDims& d, const MoeInputs& in, const MoeFwdResults& out) {
   }
   const S *wsg = in.ws_gate.reinterpret_data<S>(), *wsu = in.ws_up.reinterpret_data<S>(),
           *wsd = in.ws_down.reinterpret_data<S>();
-  S* gu_shared =
-      (d.recompute ? out.gu_shared_scratch : out.res.gu_shared).reinterpret_data<S>();
+  S* gu_shared = d.recompute ? nullptr : out.res.gu_shared.reinterpret_data<S>();
   S* h_shared = out.h_shared.reinterpret_data<S>();
   S* y_shared = out.y_shared.reinterpret_data<S>();
   for (int64_t t = 0; t < T; ++t) {
     // The k routes in j order, then the shared expert's output (rounded like a route's).
     if (Is > 0) {
-      ExpertMlp<S>(H, Is, x + t * H, wsg, wsu, wsd, gu_shared + t * 2 * Is, h_shared + t * Is,
-                   y_shared + t * H, g, u, acc);
+      S* gu_row = gu_shared ? gu_shared + t * 2 * Is : gu_local.data();
+      ExpertMlp<S>(H, Is, x + t * H, wsg, wsu, wsd, gu_row, h_shared + t * Is, y_shared + t * H,
+                   g, u, acc);
     }
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int64_t j = 0; j < k; ++j) {
@@ -121,12 +124,10 @@ ffi::Error MoeFwd(ffi::AnyBuffer x, ffi::AnyBuffer experts, ffi::AnyBuffer weigh
                   ffi::Result<ffi::AnyBuffer> gu_shared, ffi::Result<ffi::AnyBuffer> xs,
                   ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> h_shared,
                   ffi::Result<ffi::AnyBuffer> y_shared, ffi::Result<ffi::AnyBuffer> layout,
-                  ffi::Result<ffi::AnyBuffer> gu_scratch,
-                  ffi::Result<ffi::AnyBuffer> gu_shared_scratch, int64_t block_m,
-                  bool recompute) {
+                  int64_t block_m, bool recompute) {
   MoeInputs in{x, experts, weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down};
   MoeFwdResults out{*y,  {*pos, *offsets, *rows, *gu, *y_routed, *gu_shared},
-                    *xs, *h, *h_shared, *y_shared, *layout, *gu_scratch, *gu_shared_scratch};
+                    *xs, *h, *h_shared, *y_shared, *layout};
   auto dims = CheckInputs("mok_moe_fwd", in, block_m, recompute);
   if (dims.has_error()) return dims.error();
   auto dtype = x.element_type();

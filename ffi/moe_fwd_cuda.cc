@@ -19,13 +19,10 @@ ffi::Error MoeFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer expe
                       ffi::Result<ffi::AnyBuffer> y_routed, ffi::Result<ffi::AnyBuffer> gu_shared,
                       ffi::Result<ffi::AnyBuffer> xs, ffi::Result<ffi::AnyBuffer> h,
                       ffi::Result<ffi::AnyBuffer> h_shared, ffi::Result<ffi::AnyBuffer> y_shared,
-                      ffi::Result<ffi::AnyBuffer> layout,
-                      ffi::Result<ffi::AnyBuffer> gu_scratch,
-                      ffi::Result<ffi::AnyBuffer> gu_shared_scratch, int64_t block_m,
-                      bool recompute) {
+                      ffi::Result<ffi::AnyBuffer> layout, int64_t block_m, bool recompute) {
   MoeInputs in{x, experts, weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down};
   MoeFwdResults out{*y,  {*pos, *offsets, *rows, *gu, *y_routed, *gu_shared},
-                    *xs, *h, *h_shared, *y_shared, *layout, *gu_scratch, *gu_shared_scratch};
+                    *xs, *h, *h_shared, *y_shared, *layout};
   auto dims = CheckInputs("mok_moe_fwd", in, block_m, recompute);
   if (dims.has_error()) return dims.error();
   const MoeDims& d = *dims;
@@ -46,10 +43,11 @@ ffi::Error MoeFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer expe
   a.pos = out.res.pos.reinterpret_data<int32_t>();
   a.offsets = out.res.offsets.reinterpret_data<int32_t>();
   a.rows = out.res.rows.reinterpret_data<int32_t>();
-  // With recompute the kernels write gu into scratch that XLA frees after the call.
-  a.gu = (d.recompute ? out.gu_scratch : out.res.gu).untyped_data();
+  // With recompute gu is not kept (the backward recomputes it into its own scratch): null
+  // makes the gate|up epilogue skip storing it and write h alone.
+  a.gu = d.recompute ? nullptr : out.res.gu.untyped_data();
   a.y_routed = out.res.y_routed.untyped_data();
-  a.gu_shared = (d.recompute ? out.gu_shared_scratch : out.res.gu_shared).untyped_data();
+  a.gu_shared = d.recompute ? nullptr : out.res.gu_shared.untyped_data();
   a.xs = out.xs.untyped_data(), a.h = out.h.untyped_data();
   a.h_shared = out.h_shared.untyped_data(), a.y_shared = out.y_shared.untyped_data();
   a.layout = out.layout.reinterpret_data<int32_t>();

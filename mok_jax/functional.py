@@ -227,14 +227,25 @@ def _vary(tree, axes):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _moe_ffi_vjp(out_dtype, config, x, experts, weights, w_gate, w_up, w_down, shared):
-  return _moe_ffi_fwd(out_dtype, config, x, experts, weights, w_gate, w_up, w_down, shared)[0]
+  # The primal, run when nothing is differentiated (inference): no backward will read the
+  # residuals, so the forward runs in recompute mode whatever config.recompute says, keeping no
+  # gu and writing none. y has the same bits in both modes (h comes from the f32 accumulators,
+  # not from the rounded gu).
+  y, _ = _moe_ffi_call(out_dtype, config.block_m, True, x, experts, weights, w_gate, w_up,
+                       w_down, shared)
+  return y
+
+
+def _moe_ffi_call(out_dtype, block_m, recompute, x, experts, weights, w_gate, w_up, w_down,
+                  shared):
+  y, residuals = ops.moe_fwd(x, experts, weights, w_gate, w_up, w_down, shared,
+                             out_dtype=out_dtype, block_m=block_m, recompute=recompute)
+  return _vary((y, residuals), _varying_axes(x))
 
 
 def _moe_ffi_fwd(out_dtype, config, x, experts, weights, w_gate, w_up, w_down, shared):
-  y, residuals = ops.moe_fwd(x, experts, weights, w_gate, w_up, w_down, shared,
-                             out_dtype=out_dtype, block_m=config.block_m,
-                             recompute=config.recompute)
-  y, residuals = _vary((y, residuals), _varying_axes(x))
+  y, residuals = _moe_ffi_call(out_dtype, config.block_m, config.recompute, x, experts, weights,
+                               w_gate, w_up, w_down, shared)
   return y, (x, experts, weights, w_gate, w_up, w_down, shared, residuals)
 
 

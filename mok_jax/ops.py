@@ -178,11 +178,11 @@ def _check_ffi_inputs(x, experts, weights, w_gate, w_up, w_down, shared):
 
 def fwd_results(dims: MoeDims, dtype, out_dtype, block_m, recompute=False) -> tuple:
   """The results mok_moe_fwd declares: y, the `Residuals`, then scratch that XLA frees after
-  the call (declared results, so that the handler allocates nothing)."""
+  the call (declared results, so that the handler allocates nothing). With recompute gu and
+  gu_shared have zero rows and no scratch holds them either: the forward does not write them."""
   T, H, I, E, k, Is = dims
   R = routed_rows(T * k, E, block_m)
-  # Rows of gu and gu_shared kept as residuals; with recompute they live in scratch instead.
-  Rg, Tg = (0, 0) if recompute else (R, T)
+  Rg, Tg = (0, 0) if recompute else (R, T)  # rows of gu and gu_shared kept as residuals
   sds = jax.ShapeDtypeStruct
   return (
       sds((T, H), out_dtype),  # y
@@ -197,8 +197,6 @@ def fwd_results(dims: MoeDims, dtype, out_dtype, block_m, recompute=False) -> tu
       sds((T, Is), dtype),  # scratch h of the shared expert
       sds((T if Is else 0, H), dtype),  # scratch: output of the shared expert
       sds((_mok_cpu.layout_scratch_ints(T * k, E),), jnp.int32),  # scratch of the layout kernels
-      sds((R - Rg, 2 * I), dtype),  # scratch gu when it is not kept (recompute)
-      sds((T - Tg, 2 * Is), dtype),  # scratch gu_shared when it is not kept
   )
 
 
@@ -244,12 +242,12 @@ def footprint(dims: MoeDims, dtype, block_m=128, recompute=False) -> Footprint:
   gu and gu_shared, and C = [recompute]:
 
     residuals   = 4 (T k + E + 1 + R) + b R H + (1 - C) G
-    fwd scratch = b (R H + R I + T Is + S T H) + 4 ceil(T k / 1024) E + C G
+    fwd scratch = b (R H + R I + T Is + S T H) + 4 ceil(T k / 1024) E
     bwd scratch = b (R H + 2 R I + 2 T Is + R H + R I + T Is) + 4 (R H + S T H) + C G
 
-  Recompute moves G from the residuals, held from the forward until the backward, into scratch
-  that each call frees. The forward's y and the backward's gradients are not counted (any
-  implementation has them).
+  Recompute moves G from the residuals, held from the forward until the backward, into the
+  backward's scratch, which that call frees; the forward then does not write gu at all. The
+  forward's y and the backward's gradients are not counted (any implementation has them).
   """
   T, H, I, E, k, Is = dims
   b = jnp.dtype(dtype).itemsize
@@ -260,7 +258,7 @@ def footprint(dims: MoeDims, dtype, block_m=128, recompute=False) -> Footprint:
   chunks = -(-T * k // 1024)
   return Footprint(
       residuals=4 * (T * k + E + 1 + R) + b * R * H + (1 - C) * G,
-      fwd_scratch=b * (R * H + R * I + T * Is + S * T * H) + 4 * chunks * E + C * G,
+      fwd_scratch=b * (R * H + R * I + T * Is + S * T * H) + 4 * chunks * E,
       bwd_scratch=b * (R * H + 2 * R * I + 2 * T * Is + R * H + R * I + T * Is)
       + 4 * (R * H + S * T * H) + C * G,
   )

@@ -118,6 +118,39 @@ def test_residuals_of_the_mode(recompute):
   assert res.gu.shape == (rows[0], 16) and res.gu_shared.shape == (rows[1], 24)
 
 
+def primal_and_vjp_y(case, config, dtype):
+  """y of the layer called alone under jit (the custom VJP's primal) and y of jax.vjp (its fwd
+  rule, which keeps the residuals of config.recompute)."""
+
+  def layer(x, weights, w_gate, w_up, w_down, shared):
+    return mok_jax.moe(x, case.experts, weights, w_gate, w_up, w_down, shared=shared,
+                       config=config, backend="ffi")
+
+  y_primal = jax.jit(layer)(*case.params())
+  y_vjp, _ = jax.jit(lambda *p: jax.vjp(layer, *p))(*case.params())
+  assert y_primal.dtype == y_vjp.dtype == dtype
+  return y_primal, y_vjp, layer
+
+
+@pytest.mark.parametrize("recompute", MODES, ids=["save", "recompute"])
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+@pytest.mark.parametrize("name", CASES)
+def test_inference_y_is_the_vjp_y(name, dtype, recompute):
+  """Not differentiated, the layer's forward keeps no gu whatever Config.recompute says; y has
+  the bits of the y that jax.vjp returns (the forward that keeps the residuals of the mode)."""
+  case = make_case(**CASES[name], dtype=dtype, seed=11)
+  config = mok_jax.Config(block_m=4, recompute=recompute)
+  y_primal, y_vjp, layer = primal_and_vjp_y(case, config, dtype)
+  assert bits(y_primal) == bits(y_vjp), f"{np.sum(y_primal != y_vjp)} elements differ"
+  # The primal's one call is a recompute-mode forward: its gu and gu_shared have zero rows.
+  (eqn,) = ffi_calls(jax.make_jaxpr(layer)(*case.params()).jaxpr)
+  assert eqn.params["target_name"] == "mok_moe_fwd"
+  assert bool(dict(eqn.params["attributes"])["recompute"])
+  n = len(ops.Residuals._fields)
+  res = ops.Residuals(*eqn.params["result_avals"][1:1 + n])
+  assert res.gu.shape[0] == 0 and res.gu_shared.shape[0] == 0
+
+
 def test_backward_of_the_other_mode():
   """Residuals of a forward that saved gu, given to a backward that recomputes: a ValueError
   that names the residual and the mode, at trace time."""

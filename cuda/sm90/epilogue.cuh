@@ -102,15 +102,21 @@ __device__ __forceinline__ void StageAndStore(const GemmParams& p, const GemmTil
     const int64_t col0 = int64_t{tile.n_tile} * (C::kBlockN / 2);
     auto* gu = static_cast<__nv_bfloat16*>(p.out0);
     auto* h = static_cast<__nv_bfloat16*>(p.out1);
-    CUTE_UNROLL
-    for (int pass = 0; pass < C::kBlockN / kStageCols; ++pass) {
-      const int64_t half_base = pass < 2 ? 0 : p.n;  // gate or up half of a gu row
-      StagePass(stage, wg_thread, barrier, row0, tile.m_end,
-                [&](int u) { return PackBf16(acc(32 * pass + u), acc(32 * pass + u + 1)); },
-                [&](int64_t row, int chunk) -> __nv_bfloat16* {
-                  const int64_t col = col0 + (pass % 2) * kStageCols + chunk * 8;
-                  return col < p.n ? gu + row * 2 * p.n + half_base + col : nullptr;
-                });
+    // gu null: gu is not kept (the forward with Config.recompute, or not differentiated), so
+    // its four staging passes are skipped. h does not depend on them: it comes from the f32
+    // accumulators, not from the rounded gu. Uniform over the CTA, and the first h pass's
+    // barrier still orders this tile's staging after the previous tile's reads.
+    if (gu != nullptr) {
+      CUTE_UNROLL
+      for (int pass = 0; pass < C::kBlockN / kStageCols; ++pass) {
+        const int64_t half_base = pass < 2 ? 0 : p.n;  // gate or up half of a gu row
+        StagePass(stage, wg_thread, barrier, row0, tile.m_end,
+                  [&](int u) { return PackBf16(acc(32 * pass + u), acc(32 * pass + u + 1)); },
+                  [&](int64_t row, int chunk) -> __nv_bfloat16* {
+                    const int64_t col = col0 + (pass % 2) * kStageCols + chunk * 8;
+                    return col < p.n ? gu + row * 2 * p.n + half_base + col : nullptr;
+                  });
+      }
     }
     CUTE_UNROLL
     for (int pass = 0; pass < C::kBlockN / 2 / kStageCols; ++pass) {

@@ -10,7 +10,8 @@
 namespace mok::sm90 {
 
 // gu = [x_rows @ w_gate | x_rows @ w_up] (m, 2I) and h = silu(g) * u (m, I), bf16, over the row
-// groups of `offsets` (null: one group of m rows); w_gate and w_up are (groups, H, I).
+// groups of `offsets` (null: one group of m rows); w_gate and w_up are (groups, H, I). gu null:
+// only h is written (a forward that keeps no gu); h has the same bits either way.
 //
 // Defined in expert_mlp.cu alone: nvcc gives every translation unit that instantiates a kernel
 // template its own copy, and the forward and the recomputing backward should run one and the

@@ -39,7 +39,8 @@ enum class Epilogue {
   kStore,
   kStoreF32,  // the same in f32 (out0 only)
   // Forward GEMM1: B = [w_gate tile (128 columns) | w_up tile (128 columns)]; out0 = gu
-  // (rows, 2n) gets [g | u] rounded, out1 = h (rows, n) gets round(silu(g) * u) from f32 g, u.
+  // (rows, 2n) gets [g | u] rounded (null: gu is not stored), out1 = h (rows, n) gets
+  // round(silu(g) * u) from f32 g, u.
   kSwiGLU,
   // Backward of SwiGLU: the tile is dh; aux = gu (rows, 2n). out0 = dgu (rows, 2n) gets
   // [dh * u * silu'(g) | dh * silu(g)], out1 = h (rows, n) gets round(silu(g) * u).

@@ -49,8 +49,8 @@ const char* ReadSkip(Skip* skip) {
   return nullptr;
 }
 
-// Expert MLPs over the row groups of `offsets` (null: one group of m rows): gu and h (GEMM1),
-// then y (GEMM2).
+// Expert MLPs over the row groups of `offsets` (null: one group of m rows): gu and h (GEMM1;
+// gu null: h only), then y (GEMM2).
 const char* LaunchExpertMlp(const void* x_rows, const void* w_gate, const void* w_up,
                             const void* w_down, const int32_t* offsets, int block_m,
                             int groups, int64_t m, int64_t H, int64_t I, void* gu, void* h,
@@ -100,7 +100,7 @@ const char* LaunchMoeFwd(const MoeFwdArgs& a, cudaStream_t stream) {
         static_cast<const uint4*>(a.x), a.rows, a.offsets + E, k, static_cast<int>(a.H / 8),
         static_cast<uint4*>(a.xs));
   }
-  // 3. Expert MLPs: gu and h = silu(g) * u, then y_routed = h @ w_down.
+  // 3. Expert MLPs: gu (unless null: not kept) and h = silu(g) * u, then y_routed = h @ w_down.
   if (auto err = LaunchExpertMlp(a.xs, a.w_gate, a.w_up, a.w_down, a.offsets, a.block_m, E,
                                  a.R, a.H, a.I, a.gu, a.h, a.y_routed, !skip.gemm1, !skip.gemm2,
                                  stream))
