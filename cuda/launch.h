@@ -34,7 +34,8 @@ struct MoeFwdArgs {
   void* h;                // scratch (R, I) bf16: silu(g) * u
   void* h_shared;         // scratch (T, Is) bf16
   void* y_shared;         // scratch (T, H) bf16 (empty when Is = 0)
-  int32_t* layout;        // scratch (LayoutScratchInts(T * k, E)): per-chunk expert counts
+  int32_t* layout;        // scratch (LayoutScratchInts(T, k, E)): per-chunk expert counts,
+                          // then the tile queue of the expert MLPs
 };
 
 // One backward call: every gradient from dy and the forward's residuals.

@@ -10,8 +10,25 @@ namespace mok {
 // chunk of this many routes.
 constexpr int64_t kLayoutChunk = 1024;
 
-constexpr int64_t LayoutScratchInts(int64_t routes, int64_t experts) {
+constexpr int64_t LayoutCountInts(int64_t routes, int64_t experts) {
   return (routes + kLayoutChunk - 1) / kLayoutChunk * experts;
+}
+
+// The tile queue of the forward's expert-MLP kernel, after the layout counts: kQueueHeaderInts
+// counters (the next tile to hand out), then one count of finished gate|up column tiles per
+// row tile, first of the routed rows (at most R / 64 row tiles, R <= T k + 127 E), then of
+// the shared expert's T rows (128 a tile). Zeroed by the forward before each launch.
+constexpr int64_t kQueueHeaderInts = 8;
+constexpr int64_t RoutedRowTilesBound(int64_t routes, int64_t experts) {
+  return (routes + 127 * experts + 63) / 64;
+}
+constexpr int64_t TileQueueInts(int64_t T, int64_t k, int64_t experts) {
+  return kQueueHeaderInts + RoutedRowTilesBound(T * k, experts) + (T + 127) / 128;
+}
+
+// Ints of the forward's layout scratch: the layout counts, then the tile queue.
+constexpr int64_t LayoutScratchInts(int64_t T, int64_t k, int64_t experts) {
+  return LayoutCountInts(T * k, experts) + TileQueueInts(T, k, experts);
 }
 
 }  // namespace mok

@@ -15,6 +15,7 @@ NB_MODULE(_mok_cpu, m) {
     targets["mok_moe_bwd"] = mok::Capsule(MokMoeBwdCpu);
     return targets;
   });
-  m.def("layout_scratch_ints", &mok::LayoutScratchInts, nb::arg("routes"), nb::arg("experts"),
-        "Ints of the layout scratch that mok_moe_fwd takes for this many routes and experts.");
+  m.def("layout_scratch_ints", &mok::LayoutScratchInts, nb::arg("T"), nb::arg("k"),
+        nb::arg("experts"),
+        "Ints of the layout scratch (layout counts and tile queue) that mok_moe_fwd takes.");
 }

@@ -147,7 +147,7 @@ ffi::Error CheckFwdResults(const MoeDims& d, ffi::DataType dtype, const MoeFwdRe
                    CheckBuffer(target, "h_shared", out.h_shared, dtype, {d.T, d.Is}),
                    CheckBuffer(target, "y_shared", out.y_shared, dtype, {d.Is > 0 ? d.T : 0, d.H}),
                    CheckBuffer(target, "layout", out.layout, ffi::DataType::S32,
-                               {LayoutScratchInts(d.T * d.k, d.E)})}) {
+                               {LayoutScratchInts(d.T, d.k, d.E)})}) {
     if (err.failure()) return err;
   }
   return ffi::Error::Success();

@@ -52,7 +52,7 @@ struct MoeFwdResults {
   ffi::AnyBuffer h;         // scratch (R, I) like x: silu(g) * u
   ffi::AnyBuffer h_shared;  // scratch (T, Is) like x
   ffi::AnyBuffer y_shared;  // scratch (T, H) like x, (0, H) when Is = 0: shared output
-  ffi::AnyBuffer layout;    // scratch (LayoutScratchInts(T * k, E)) s32
+  ffi::AnyBuffer layout;    // scratch (LayoutScratchInts(T, k, E)) s32
   // No gu scratch: with recompute the forward does not keep gu, so it writes none.
 };
 

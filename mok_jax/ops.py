@@ -196,7 +196,7 @@ def fwd_results(dims: MoeDims, dtype, out_dtype, block_m, recompute=False) -> tu
       sds((R, I), dtype),  # scratch h = silu(g) * u
       sds((T, Is), dtype),  # scratch h of the shared expert
       sds((T if Is else 0, H), dtype),  # scratch: output of the shared expert
-      sds((_mok_cpu.layout_scratch_ints(T * k, E),), jnp.int32),  # scratch of the layout kernels
+      sds((_mok_cpu.layout_scratch_ints(T, k, E),), jnp.int32),  # scratch: layout, tile queue
   )
 
 
@@ -242,7 +242,8 @@ def footprint(dims: MoeDims, dtype, block_m=128, recompute=False) -> Footprint:
   gu and gu_shared, and C = [recompute]:
 
     residuals   = 4 (T k + E + 1 + R) + b R H + (1 - C) G
-    fwd scratch = b (R H + R I + T Is + S T H) + 4 ceil(T k / 1024) E
+    fwd scratch = b (R H + R I + T Is + S T H) + 4 (ceil(T k / 1024) E + Q),
+                  Q = 8 + ceil((T k + 127 E) / 64) + ceil(T / 128) (the tile queue)
     bwd scratch = b (R H + 2 R I + 2 T Is + R H + R I + T Is) + 4 (R H + S T H) + C G
 
   Recompute moves G from the residuals, held from the forward until the backward, into the
@@ -256,9 +257,10 @@ def footprint(dims: MoeDims, dtype, block_m=128, recompute=False) -> Footprint:
   G = b * (2 * R * I + 2 * T * Is)
   C = 1 if recompute else 0
   chunks = -(-T * k // 1024)
+  Q = 8 + -(-(T * k + 127 * E) // 64) + -(-T // 128)
   return Footprint(
       residuals=4 * (T * k + E + 1 + R) + b * R * H + (1 - C) * G,
-      fwd_scratch=b * (R * H + R * I + T * Is + S * T * H) + 4 * chunks * E,
+      fwd_scratch=b * (R * H + R * I + T * Is + S * T * H) + 4 * (chunks * E + Q),
       bwd_scratch=b * (R * H + 2 * R * I + 2 * T * Is + R * H + R * I + T * Is)
       + 4 * (R * H + S * T * H) + C * G,
   )

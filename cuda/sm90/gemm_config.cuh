@@ -97,4 +97,22 @@ struct GemmParams {
   const __nv_bfloat16* aux; // kSwiGLUBwd: gu
 };
 
+// Several GEMMs of one launch, whose tiles the CTAs take in order: first all of slot 0's, then
+// slot 1's, and so on. The forward's expert MLPs run as one such launch: routed gate|up, shared
+// gate|up (slots 0, 1: the kernel's first GemmKind), routed down, shared down (slots 2, 3: its
+// second). A down tile starts once the gate|up tiles of its rows are done, while other gate|up
+// tiles still run: no wave ends between the GEMMs. Slots are compile-time indices in the kernel
+// (a runtime index into kernel parameters would copy them to local memory).
+constexpr int kMaxChain = 4;
+struct ChainParams {
+  GemmParams gemm[kMaxChain];  // a slot with n_tiles = 0 has no tiles
+  int wait_base[kMaxChain];    // -1, or: the slot's A is rows that another slot writes, whose
+                               // counts in `ready` start here; a tile waits until the count of
+  int wait_count[kMaxChain];   // its row tile reaches wait_count (that slot's column tiles)
+  int ready_base[kMaxChain];   // -1, or where this slot's per-row-tile counts start in `ready`
+  int32_t* queue;              // null: CTA c takes the tiles c, c + grid, ...; else *queue is
+                               // the next tile to hand out (a persistent grid; zero before launch)
+  int32_t* ready;              // finished column tiles per row tile (zero before launch)
+};
+
 }  // namespace mok::sm90

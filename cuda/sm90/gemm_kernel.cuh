@@ -1,8 +1,12 @@
 // The grouped expert GEMM kernel: warp-specialised (one producer warpgroup, two consumer
-// warpgroups), TMA -> mbarrier ring -> wgmma, then an epilogue, over the tiles that the grid
-// stride gives the CTA. On a persistent grid, while the consumers run a tile's epilogue, the
-// producer is already loading the next tile's stages.
+// warpgroups), TMA -> mbarrier ring -> wgmma, then an epilogue, over the tiles of a chain of
+// GEMMs (ChainParams: one GEMM in slot 0, or the forward's expert MLPs in kSlots = 4). The producer thread picks each
+// tile (from the device queue, or by grid stride) and passes it to the consumers through a
+// small ring in shared memory; while the consumers run a tile's epilogue, it is already loading
+// the next tile's stages.
 #pragma once
+
+#include <type_traits>
 
 #include "epilogue.cuh"
 #include "gemm_config.cuh"
@@ -12,64 +16,175 @@
 
 namespace mok::sm90 {
 
-constexpr size_t kGemmSmemBytes = sizeof(GemmSmem) + 1024;  // + alignment slack
+// Tiles in flight between the producer and the consumers: enough that a run of tiles with few
+// k-steps does not stall the producer on the consumers' epilogues.
+constexpr int kTileSlots = 4;
 
-template <class Kind>
+struct ChainSmem {
+  int64_t first_tile[kMaxChain + 1];  // GEMM i's tiles are [first_tile[i], first_tile[i + 1])
+  int32_t slot_tile[kTileSlots];      // the linear tile handed to the consumers
+  uint64_t slot_full[kTileSlots];     // the producer wrote slot_tile
+  uint64_t slot_empty[kTileSlots];    // all 256 consumer threads read it
+};
+
+constexpr size_t kGemmSmemBytes = sizeof(GemmSmem) + sizeof(ChainSmem) + 1024;  // + alignment
+
+// Which slot of the chain linear tile `linear` belongs to.
+__device__ __forceinline__ int ChainIndex(const ChainSmem& cs, int slots, int64_t linear) {
+  int i = 0;
+  while (i + 1 < slots && linear >= cs.first_tile[i + 1]) ++i;
+  return i;
+}
+
+// Calls f(std::integral_constant<int, i>) for slot i < kSlots: a constant index into the
+// kernel parameters.
+template <int kSlots, class F>
+__device__ __forceinline__ void WithSlot(int i, F f) {
+  static_assert(kSlots >= 1 && kSlots <= kMaxChain);
+  if constexpr (kSlots == 1) {
+    f(std::integral_constant<int, 0>{});
+  } else {
+    switch (i) {
+      case 0: f(std::integral_constant<int, 0>{}); break;
+      case 1: f(std::integral_constant<int, 1>{}); break;
+      case 2: if constexpr (kSlots > 2) f(std::integral_constant<int, 2>{}); break;
+      default: if constexpr (kSlots > 3) f(std::integral_constant<int, 3>{}); break;
+    }
+  }
+}
+
+// Slots 0, 1 run Kind0; 2, 3 Kind1.
+template <class Kind0, class Kind1, int kSlot>
+using SlotKind = std::conditional_t<(kSlot < 2), Kind0, Kind1>;
+
+template <class Kind0, class Kind1, int kSlots>
 __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
-    GroupedGemmKernel(const __grid_constant__ GemmParams p) {
+    GemmChainKernel(const __grid_constant__ ChainParams c) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  static_assert(Kind0::kMajorA == Kind1::kMajorA && Kind0::kMajorB == Kind1::kMajorB &&
+                    Kind0::kSched == Kind1::kSched,
+                "the GEMMs of a chain share shared-memory layouts, MMA and schedule");
   using C = GemmConfig;
+  constexpr Schedule kSched = Kind0::kSched;
   extern __shared__ uint8_t smem_raw[];
   // 128-byte swizzling is a function of address bits 4-9: stages start 1024-byte aligned.
   GemmSmem& smem = *reinterpret_cast<GemmSmem*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  ChainSmem& cs = *reinterpret_cast<ChainSmem*>(&smem + 1);
   const int warpgroup = threadIdx.x / 128;
-  const int32_t* offsets = nullptr;
+  // The slots with offsets share them (the host checks): one copy in shared memory.
+  const int32_t* group_offsets = nullptr;
+  int groups = 0;
+  CUTE_UNROLL
+  for (int i = 0; i < kSlots; ++i) {
+    if (c.gemm[i].offsets) group_offsets = c.gemm[i].offsets, groups = c.gemm[i].groups;
+  }
   const int32_t* tile_start = nullptr;
-  if (p.offsets) {
-    for (int g = threadIdx.x; g <= p.groups; g += C::kThreads) smem.offsets[g] = p.offsets[g];
-    offsets = smem.offsets;
-    tile_start = smem.tile_start;
+  if (group_offsets) {
+    for (int g = threadIdx.x; g <= groups; g += C::kThreads) smem.offsets[g] = group_offsets[g];
     __syncthreads();
-    if (Kind::kSched == Schedule::kRowsByGroup && threadIdx.x / 32 == 1)
-      ScanGroupTiles(offsets, p.groups, threadIdx.x % 32, smem.tile_start);
+    if (kSched == Schedule::kRowsByGroup) {
+      if (threadIdx.x / 32 == 1) ScanGroupTiles(smem.offsets, groups, threadIdx.x % 32,
+                                                smem.tile_start);
+      tile_start = smem.tile_start;
+    }
   }
   if (threadIdx.x == 0) {
-    PrefetchTmaDescriptor(&p.a);
-    PrefetchTmaDescriptor(&p.b0);
-    if (Kind::kEpi == Epilogue::kSwiGLU || (Kind::kKMajorB && p.k_split < p.k))
-      PrefetchTmaDescriptor(&p.b1);
+    CUTE_UNROLL
+    for (int i = 0; i < kSlots; ++i) {
+      const GemmParams& p = c.gemm[i];
+      if (p.n_tiles == 0) continue;
+      PrefetchTmaDescriptor(&p.a);
+      PrefetchTmaDescriptor(&p.b0);
+      if (p.k_split < p.k || (i < 2 ? Kind0::kEpi : Kind1::kEpi) == Epilogue::kSwiGLU)
+        PrefetchTmaDescriptor(&p.b1);
+    }
     for (int s = 0; s < C::kStages; ++s) {
       BarrierInit(&smem.full[s], 1);
       BarrierInit(&smem.empty[s], C::kConsumerWarpgroups);
     }
+    for (int s = 0; s < kTileSlots; ++s) {
+      BarrierInit(&cs.slot_full[s], 1);
+      BarrierInit(&cs.slot_empty[s], 128 * C::kConsumerWarpgroups);
+    }
     FenceBarrierInit();
   }
+  __syncthreads();  // the scan is done
+  if (threadIdx.x == 0) {
+    int64_t first = 0;
+    CUTE_UNROLL
+    for (int i = 0; i < kSlots; ++i) {
+      cs.first_tile[i] = first;
+      first += TileCount<kSched>(c.gemm[i], c.gemm[i].offsets ? tile_start : nullptr);
+    }
+    cs.first_tile[kSlots] = first;
+  }
   __syncthreads();
+  // The tile of slot i at linear index `linear`.
+  auto schedule = [&](auto slot, int64_t linear) __attribute__((always_inline)) {
+    const GemmParams& p = c.gemm[decltype(slot)::value];
+    return ScheduleTile<kSched>(p, p.offsets ? smem.offsets : nullptr,
+                                p.offsets ? tile_start : nullptr,
+                                linear - cs.first_tile[decltype(slot)::value]);
+  };
 
   // Both roles walk the same tiles in the same order; `it` keeps their rings in step.
   uint32_t it = 0;
   if (warpgroup == 0) {
     SetMaxRegistersDec<C::kProducerRegs>();
     if (threadIdx.x != 0) return;
-    for (int64_t linear = blockIdx.x; linear < p.tiles; linear += gridDim.x) {
-      const GemmTile tile = ScheduleTile<Kind::kSched>(p, offsets, tile_start, linear);
-      if (!tile.valid) break;
-      LoadTile<Kind>(p, tile, smem, it);
+    const int64_t total = cs.first_tile[kSlots];
+    for (uint32_t j = 0;; ++j) {
+      const int slot = j % kTileSlots;
+      const int64_t linear = c.queue ? int64_t{atomicAdd(c.queue, 1)}
+                                     : blockIdx.x + int64_t{j} * gridDim.x;
+      BarrierWait(&cs.slot_empty[slot], ((j / kTileSlots) & 1) ^ 1);
+      cs.slot_tile[slot] = linear < total ? static_cast<int32_t>(linear) : -1;  // -1: done
+      BarrierArrive(&cs.slot_full[slot]);
+      if (linear >= total) break;
+      WithSlot<kSlots>(ChainIndex(cs, kSlots, linear), [&](auto s) __attribute__((always_inline)) {
+        constexpr int kSlot = decltype(s)::value;
+        const GemmTile tile = schedule(s, linear);
+        if (c.wait_base[kSlot] >= 0) {
+          // A is rows that another slot of this launch writes: wait for all of that slot's
+          // column tiles of this row tile. Every tile handed out before this one is running or
+          // done, and a waited-on tile waits on nothing itself: no deadlock, whatever the grid.
+          WaitAtLeast(c.ready + c.wait_base[kSlot] + tile.row_tile, c.wait_count[kSlot]);
+          FenceProxyAsyncGlobal();
+        }
+        LoadTile<SlotKind<Kind0, Kind1, kSlot>>(c.gemm[kSlot], tile, smem, it);
+      });
     }
   } else {
     SetMaxRegistersInc<C::kConsumerRegs>();
     const int thread = threadIdx.x - 128;
 #pragma unroll 1
-    for (int64_t linear = blockIdx.x; linear < p.tiles; linear += gridDim.x) {
-      const GemmTile tile = ScheduleTile<Kind::kSched>(p, offsets, tile_start, linear);
-      if (!tile.valid) break;
+    for (uint32_t j = 0;; ++j) {
+      const int slot = j % kTileSlots;
+      BarrierWaitLean(&cs.slot_full[slot], (j / kTileSlots) & 1);
+      const int32_t linear = cs.slot_tile[slot];
+      BarrierArrive(&cs.slot_empty[slot]);
+      if (linear < 0) break;
+      const int i = ChainIndex(cs, kSlots, linear);
+      GemmTile tile;
+      WithSlot<kSlots>(i, [&](auto s) __attribute__((always_inline)) { tile = schedule(s, linear); });
       auto acc = cute::partition_fragment_C(
-          typename GemmLayouts<Kind>::TiledMma{},
+          typename GemmLayouts<Kind0>::TiledMma{},
           cute::Shape<cute::Int<C::kBlockM>, cute::Int<C::kBlockN>>{});
       const bool idle = tile.half && warpgroup == 2;
-      MmaTile<Kind>(tile, smem, thread, idle, acc, it);
-      if (!idle) StoreTile<Kind>(p, tile, smem, thread, acc);
+      MmaTile<Kind0>(tile, smem, thread, idle, acc, it);
+      WithSlot<kSlots>(i, [&](auto s) __attribute__((always_inline)) {
+        constexpr int kSlot = decltype(s)::value;
+        if (!idle) StoreTile<SlotKind<Kind0, Kind1, kSlot>>(c.gemm[kSlot], tile, smem, thread, acc);
+        if (c.ready_base[kSlot] >= 0) {
+          // Another slot reads these rows with TMA: publish them once all 256 threads' stores
+          // are visible to the async proxy at GPU scope.
+          FenceProxyAsyncGlobal();
+          __threadfence();
+          NamedBarrierSync(1, 128 * C::kConsumerWarpgroups);
+          if (thread == 0) AddRelease(c.ready + c.ready_base[kSlot] + tile.row_tile, 1);
+        }
+      });
     }
   }
 #endif

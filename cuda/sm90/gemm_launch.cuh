@@ -62,11 +62,10 @@ inline int RasterRows() {
   return rows;
 }
 
-// Launches one grouped GEMM of `Kind`. `p` carries everything but the tensor maps and tile
-// counts; b1 is read only by kSwiGLU and by a K-major B split at p.k_split.
+// Fills in what `p` lacks for a GEMM of `Kind`: the tensor maps (b1 is read only by kSwiGLU
+// and by a K-major B split at p.k_split), tile counts and order.
 template <class Kind>
-const char* LaunchGemm(GemmParams p, const Matrix& a, const Matrix& b0, const Matrix& b1,
-                       cudaStream_t stream) {
+const char* PrepareGemm(GemmParams& p, const Matrix& a, const Matrix& b0, const Matrix& b1) {
   using C = GemmConfig;
   const bool uses_b1 = Kind::kEpi == Epilogue::kSwiGLU || (Kind::kKMajorB && p.k_split < p.k);
   if (!Describe(&p.a, a, Kind::kKMajorA, C::kBlockM) ||
@@ -81,21 +80,56 @@ const char* LaunchGemm(GemmParams p, const Matrix& a, const Matrix& b0, const Ma
   if (p.offsets && p.block_m != 64 && p.block_m != C::kBlockM) return "block_m must be 64 or 128";
   p.tiles = LinearTiles<Kind::kSched>(p);
   p.raster_rows = RasterRows();
-  if (auto err = Check(AllowSharedMemory(reinterpret_cast<const void*>(GroupedGemmKernel<Kind>),
-                                          static_cast<int>(kGemmSmemBytes))))
+  return nullptr;
+}
+
+inline const char* SmCount(int* sms) {
+  int device = 0;
+  if (auto err = Check(cudaGetDevice(&device))) return err;
+  return Check(cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device));
+}
+
+// Launches the chain `c` of prepared GEMMs on `ctas` CTAs (at most one per SM is resident: the
+// shared memory allows no second one).
+template <class Kind0, class Kind1, int kSlots>
+const char* LaunchChain(const ChainParams& c, int64_t ctas, cudaStream_t stream) {
+  if (auto err = Check(AllowSharedMemory(
+          reinterpret_cast<const void*>(GemmChainKernel<Kind0, Kind1, kSlots>),
+          static_cast<int>(kGemmSmemBytes))))
     return err;
-  if (p.tiles == 0) return nullptr;
+  if (ctas == 0) return nullptr;
+  GemmChainKernel<Kind0, Kind1, kSlots>
+      <<<static_cast<unsigned>(ctas), GemmConfig::kThreads, kGemmSmemBytes, stream>>>(c);
+  return Check(cudaGetLastError());
+}
+
+// An empty chain: no slot has tiles, waits or counts.
+inline ChainParams EmptyChain() {
+  ChainParams c{};
+  for (int i = 0; i < kMaxChain; ++i) c.wait_base[i] = -1, c.wait_count[i] = 0, c.ready_base[i] = -1;
+  return c;
+}
+
+// One prepared GEMM of `Kind` in slot 0 of the kernel GemmChainKernel<Kind, Kind1, kSlots>,
+// persistent or one CTA per tile (Persistent), tiles by grid stride.
+template <class Kind, class Kind1 = Kind, int kSlots = 1>
+const char* LaunchGemmWith(const GemmParams& p, cudaStream_t stream) {
+  ChainParams c = EmptyChain();
+  c.gemm[0] = p;
   int64_t ctas = p.tiles;
-  if (Persistent<Kind>(p)) {  // one CTA per SM: the shared memory allows no second one
-    int device = 0, sms = 0;
-    if (auto err = Check(cudaGetDevice(&device))) return err;
-    if (auto err = Check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)))
-      return err;
+  if (p.tiles > 0 && Persistent<Kind>(p)) {
+    int sms = 0;
+    if (auto err = SmCount(&sms)) return err;
     ctas = std::min<int64_t>(ctas, sms);
   }
-  GroupedGemmKernel<Kind>
-      <<<static_cast<unsigned>(ctas), C::kThreads, kGemmSmemBytes, stream>>>(p);
-  return nullptr;
+  return LaunchChain<Kind, Kind1, kSlots>(c, ctas, stream);
+}
+
+template <class Kind>
+const char* LaunchGemm(GemmParams p, const Matrix& a, const Matrix& b0, const Matrix& b1,
+                       cudaStream_t stream) {
+  if (auto err = PrepareGemm<Kind>(p, a, b0, b1)) return err;
+  return LaunchGemmWith<Kind>(p, stream);
 }
 
 using cute::GMMA::Major;

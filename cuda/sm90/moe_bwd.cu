@@ -90,13 +90,14 @@ const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
   const void* gu = a.recompute ? a.gu_scratch : a.gu;
   const void* gu_shared = a.recompute ? a.gu_shared_scratch : a.gu_shared;
   if (a.recompute) {
-    if (auto err = sm90::LaunchGateUp(a.xs, a.w_gate, a.w_up, a.offsets, a.block_m, E, a.R, a.H,
-                                      a.I, a.gu_scratch, a.h, stream))
-      return err;
+    const sm90::ExpertMlp routed{a.xs, a.w_gate, a.w_up, a.w_down, a.offsets, a.block_m, E,
+                                 a.R,  a.H,      a.I,    a.gu_scratch, a.h, nullptr, -1};
+    if (auto err = sm90::LaunchGateUp(routed, stream)) return err;
     if (a.Is > 0) {
-      if (auto err = sm90::LaunchGateUp(a.x, a.ws_gate, a.ws_up, nullptr, 128, 1, a.T, a.H, a.Is,
-                                        a.gu_shared_scratch, a.h_shared, stream))
-        return err;
+      const sm90::ExpertMlp shared{a.x,   a.ws_gate, a.ws_up, a.ws_down, nullptr,
+                                   128,   1,         a.T,     a.H,       a.Is,
+                                   a.gu_shared_scratch, a.h_shared, nullptr, -1};
+      if (auto err = sm90::LaunchGateUp(shared, stream)) return err;
     }
   }
   const auto* y_routed = static_cast<const bf16*>(a.y_routed);

@@ -1,5 +1,6 @@
-// Launch of the forward on one GPU: layout -> gather -> GEMM1 (gate|up, SwiGLU) -> GEMM2 ->
-// combine, all enqueued on XLA's stream with no host synchronisation.
+// Launch of the forward on one GPU: layout -> gather -> expert MLPs (gate|up with SwiGLU, then
+// down, routed and shared, one launch) -> combine, all enqueued on XLA's stream with no host
+// synchronisation.
 #include <cstdlib>
 #include <string>
 
@@ -27,6 +28,7 @@ namespace {
 // all the others.
 struct Skip {
   bool gather = false, gemm1 = false, gemm2 = false, shared = false, combine = false;
+  // gemm1, gemm2 and shared leave tiles out of the expert-MLP launch.
 };
 
 const char* ReadSkip(Skip* skip) {
@@ -47,25 +49,6 @@ const char* ReadSkip(Skip* skip) {
     begin = end + 1;
   }
   return nullptr;
-}
-
-// Expert MLPs over the row groups of `offsets` (null: one group of m rows): gu and h (GEMM1;
-// gu null: h only), then y (GEMM2).
-const char* LaunchExpertMlp(const void* x_rows, const void* w_gate, const void* w_up,
-                            const void* w_down, const int32_t* offsets, int block_m,
-                            int groups, int64_t m, int64_t H, int64_t I, void* gu, void* h,
-                            void* y, bool gemm1, bool gemm2, cudaStream_t stream) {
-  if (gemm1) {
-    if (auto err = sm90::LaunchGateUp(x_rows, w_gate, w_up, offsets, block_m, groups, m, H, I,
-                                      gu, h, stream))
-      return err;
-  }
-  if (!gemm2) return nullptr;
-  GemmParams p{};
-  p.offsets = offsets, p.block_m = block_m, p.groups = groups, p.m_total = m;
-  p.n = static_cast<int>(H), p.k = static_cast<int>(I), p.k_split = p.k, p.n_split = p.n;
-  p.out0 = y, p.out1 = y;
-  return sm90::LaunchGemm<sm90::FwdDown>(p, {h, I, m}, {w_down, H, groups * I}, {}, stream);
 }
 
 }  // namespace
@@ -100,19 +83,21 @@ const char* LaunchMoeFwd(const MoeFwdArgs& a, cudaStream_t stream) {
         static_cast<const uint4*>(a.x), a.rows, a.offsets + E, k, static_cast<int>(a.H / 8),
         static_cast<uint4*>(a.xs));
   }
-  // 3. Expert MLPs: gu (unless null: not kept) and h = silu(g) * u, then y_routed = h @ w_down.
-  if (auto err = LaunchExpertMlp(a.xs, a.w_gate, a.w_up, a.w_down, a.offsets, a.block_m, E,
-                                 a.R, a.H, a.I, a.gu, a.h, a.y_routed, !skip.gemm1, !skip.gemm2,
-                                 stream))
+  // 3. Expert MLPs, routed and shared (one group of T rows read straight from x), in one
+  // launch: gu (unless null: not kept) and h = silu(g) * u, then y = h @ w_down.
+  sm90::ExpertMlp mlps[2] = {
+      {a.xs, a.w_gate, a.w_up, a.w_down, a.offsets, a.block_m, E, a.R, a.H, a.I, a.gu, a.h,
+       a.y_routed, 0},
+      {a.x, a.ws_gate, a.ws_up, a.ws_down, nullptr, 128, 1, a.T, a.H, a.Is, a.gu_shared,
+       a.h_shared, a.y_shared, static_cast<int>(RoutedRowTilesBound(routes, a.E))}};
+  int32_t* queue = a.layout + LayoutCountInts(routes, a.E);
+  if (auto err = Check(cudaMemsetAsync(queue, 0, TileQueueInts(a.T, a.k, a.E) * sizeof(int32_t),
+                                       stream)))
     return err;
-  // 4. The shared expert: one group of T rows read straight from x.
-  if (a.Is > 0 && !skip.shared) {
-    if (auto err = LaunchExpertMlp(a.x, a.ws_gate, a.ws_up, a.ws_down, nullptr, 128, 1, a.T,
-                                   a.H, a.Is, a.gu_shared, a.h_shared, a.y_shared, true, true,
-                                   stream))
-      return err;
-  }
-  // 5. Combine.
+  const int count = (a.Is > 0 && !skip.shared) ? 2 : 1;
+  if (auto err = sm90::LaunchExpertMlps(mlps, count, !skip.gemm1, !skip.gemm2, queue, stream))
+    return err;
+  // 4. Combine.
   using bf16 = __nv_bfloat16;
   const auto* y_routed = static_cast<const bf16*>(a.y_routed);
   const auto* y_shared = a.Is > 0 ? static_cast<const bf16*>(a.y_shared) : nullptr;

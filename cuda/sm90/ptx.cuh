@@ -61,6 +61,50 @@ __device__ __forceinline__ void BarrierWait(uint64_t* bar, uint32_t parity) {
   }
 }
 
+// BarrierWait without the bound, for the consumers' wait on the tile ring: the bound's timer
+// and trap, inlined in the persistent tile loop, made ptxas spill there. Sound because the
+// producer publishes every tile before any wait that can trap.
+__device__ __forceinline__ void BarrierWaitLean(uint64_t* bar, uint32_t parity) {
+  uint32_t addr = SmemAddr(bar);
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(addr), "r"(parity)
+        : "memory");
+  }
+}
+
+// Global flags between CTAs: a release add by the CTA that finished some rows, an acquire load
+// by the CTA that reads them.
+__device__ __forceinline__ int32_t LoadAcquire(const int32_t* p) {
+  int32_t v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void AddRelease(int32_t* p, int32_t v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Orders this thread's generic-proxy global accesses with its async-proxy (TMA) ones: rows
+// written with st.global and read by another CTA's TMA need one on each side.
+__device__ __forceinline__ void FenceProxyAsyncGlobal() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+// Waits until *flag >= target; bounded like BarrierWait.
+__device__ __forceinline__ void WaitAtLeast(const int32_t* flag, int32_t target) {
+  if (LoadAcquire(flag) >= target) return;
+  const uint64_t start = GlobalTimerNs();
+  while (LoadAcquire(flag) < target) {
+    __nanosleep(128);
+    if (GlobalTimerNs() - start > 4'000'000'000ull) __trap();
+  }
+}
+
 // bar.sync on a named barrier among `threads` threads (a multiple of 32).
 __device__ __forceinline__ void NamedBarrierSync(uint32_t id, uint32_t threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");

@@ -23,6 +23,7 @@ struct GemmTile {
   int64_t m_end;    // rows of the output that exist: stores stop there
   int64_t k_begin;  // kGroupedK: first routed row of the group
   int num_k;        // k-steps of kBlockK
+  int row_tile;     // kRowsByGroup: the row tile among all groups' (ScanGroupTiles numbering)
   bool valid;       // false: past the last tile
   bool half;        // only rows [m0, m0 + 64) are the group's: the second warpgroup idles
 };
@@ -35,6 +36,19 @@ inline int64_t LinearTiles(const GemmParams& p) {
     // With offsets every tile holds at least block_m of the m_total rows.
     const int64_t rows_per_tile = p.offsets ? p.block_m : GemmConfig::kBlockM;
     return (p.m_total + rows_per_tile - 1) / rows_per_tile * p.n_tiles;
+  } else {
+    return int64_t{p.groups} * p.m_tiles * p.n_tiles;
+  }
+}
+
+// The tiles of one GEMM, exactly (LinearTiles bounds them on the host); tile_start as in
+// ScheduleTile, or null.
+template <Schedule kSched>
+__device__ __forceinline__ int64_t TileCount(const GemmParams& p, const int32_t* tile_start) {
+  if constexpr (kSched == Schedule::kRowsByGroup) {
+    const int64_t rows = tile_start ? int64_t{tile_start[p.groups]}
+                                    : (p.m_total + GemmConfig::kBlockM - 1) / GemmConfig::kBlockM;
+    return rows * p.n_tiles;
   } else {
     return int64_t{p.groups} * p.m_tiles * p.n_tiles;
   }
@@ -109,6 +123,7 @@ __device__ __forceinline__ GemmTile ScheduleTile(const GemmParams& p, const int3
     }
     const RasterPos pos = Raster(linear - first * p.n_tiles, rows, p.n_tiles, p.raster_rows);
     t.n_tile = pos.col;
+    t.row_tile = static_cast<int>(first + pos.row);
     t.m0 = (offsets ? offsets[t.group] : 0) + pos.row * C::kBlockM;
     t.m_end = offsets ? offsets[t.group + 1] : p.m_total;
     t.half = offsets && t.m_end - t.m0 <= C::kBlockM / 2;
@@ -121,6 +136,7 @@ __device__ __forceinline__ GemmTile ScheduleTile(const GemmParams& p, const int3
     const RasterPos pos = Raster(linear - t.group * per_group, p.m_tiles, p.n_tiles,
                                  p.raster_rows);
     t.n_tile = pos.col;
+    t.row_tile = 0;
     t.m0 = pos.row * C::kBlockM;
     t.m_end = p.m;
     t.k_begin = offsets ? offsets[t.group] : 0;
