@@ -77,6 +77,7 @@ struct MoeBwdArgs {
   bool recompute;         // Config.recompute: gu and gu_shared from x, into the scratch below
   void* gu_scratch;       // scratch (R, 2I) bf16 with recompute, else empty
   void* gu_shared_scratch;  // scratch (T, 2Is) bf16 with recompute, else empty
+  int32_t* queue;         // scratch (TileQueueInts(T, k, E)): tile queues of the GEMM launches
 };
 
 // Enqueues the whole forward on `stream`; nothing waits on the host. Returns nullptr, or a

@@ -1,5 +1,5 @@
 // Python module mok_jax._mok_cpu: the CPU targets as capsules for jax.ffi.register_ffi_target,
-// and the layout-scratch size that mok_jax.ops declares.
+// and the scratch sizes (layout, tile queue) that mok_jax.ops declares.
 #include <nanobind/nanobind.h>
 
 #include "../cuda/layout_contract.h"
@@ -18,4 +18,6 @@ NB_MODULE(_mok_cpu, m) {
   m.def("layout_scratch_ints", &mok::LayoutScratchInts, nb::arg("T"), nb::arg("k"),
         nb::arg("experts"),
         "Ints of the layout scratch (layout counts and tile queue) that mok_moe_fwd takes.");
+  m.def("tile_queue_ints", &mok::TileQueueInts, nb::arg("T"), nb::arg("k"), nb::arg("experts"),
+        "Ints of the tile-queue scratch (queues of its GEMM launches) that mok_moe_bwd takes.");
 }

@@ -180,7 +180,9 @@ ffi::Error CheckBwdArgs(const MoeDims& d, ffi::DataType dtype, ffi::AnyBuffer dy
                    CheckBuffer(target, "h_shared", out.h_shared, dtype, {d.T, d.Is}),
                    CheckBuffer(target, "dx_shared", out.dx_shared, f32,
                                {d.Is > 0 ? d.T : 0, d.H}),
-                   CheckGuScratch(target, d, dtype, out.gu_scratch, out.gu_shared_scratch)}) {
+                   CheckGuScratch(target, d, dtype, out.gu_scratch, out.gu_shared_scratch),
+                   CheckBuffer(target, "queue", out.queue, ffi::DataType::S32,
+                               {TileQueueInts(d.T, d.k, d.E)})}) {
     if (err.failure()) return err;
   }
   return ffi::Error::Success();

@@ -76,6 +76,8 @@ struct MoeBwdResults {
   // With recompute gu is recomputed from x into these instead of read from the residuals.
   ffi::AnyBuffer gu_scratch;         // scratch (R, 2I) like x; (0, 2I) without recompute
   ffi::AnyBuffer gu_shared_scratch;  // scratch (T, 2Is) like x; (0, 2Is) without recompute
+  ffi::AnyBuffer queue;              // scratch (TileQueueInts(T, k, E)) s32: tile queues of the
+                                     // backward's GEMM launches
 };
 
 // mok_jax.ops.routed_rows: every route plus the block_m alignment padding of each expert.
@@ -163,6 +165,7 @@ auto BindMoeBwd(Binding binding) {
       .template Ret<ffi::AnyBuffer>()            // scratch dx_shared (T or 0, H) f32
       .template Ret<ffi::AnyBuffer>()            // scratch gu (R, 2I); (0, 2I) without recompute
       .template Ret<ffi::AnyBuffer>()            // scratch gu_shared (T, 2Is); (0, 2Is) without
+      .template Ret<ffi::AnyBuffer>()            // scratch queue s32 (TileQueueInts(T, k, E))
       .template Attr<int64_t>("block_m")
       .template Attr<bool>("recompute");
 }

@@ -94,6 +94,8 @@ void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
   std::fill(dy_r, dy_r + d.R * H, Store<S>(0.0f));
   std::fill(dgu, dgu + d.R * 2 * I, Store<S>(0.0f));
   std::fill(dx_r, dx_r + d.R * H, 0.0f);
+  int32_t* queue = out.queue.reinterpret_data<int32_t>();
+  std::fill(queue, queue + out.queue.element_count(), 0);  // the CPU GEMMs need no tile queue
   for (int64_t q = 0; q < T * k; ++q) {
     int64_t t = q / k, p = pos[q];
     float dot = 0.0f;
@@ -220,14 +222,14 @@ ffi::Error MoeBwd(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer experts,
                   ffi::Result<ffi::AnyBuffer> dgu_shared, ffi::Result<ffi::AnyBuffer> xs,
                   ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> h_shared,
                   ffi::Result<ffi::AnyBuffer> dx_shared, ffi::Result<ffi::AnyBuffer> gu_scratch,
-                  ffi::Result<ffi::AnyBuffer> gu_shared_scratch, int64_t block_m,
-                  bool recompute) {
+                  ffi::Result<ffi::AnyBuffer> gu_shared_scratch,
+                  ffi::Result<ffi::AnyBuffer> queue, int64_t block_m, bool recompute) {
   MoeInputs in{x, experts, weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down};
   MoeResiduals res{pos, offsets, rows, gu, y_routed, gu_shared};
   MoeBwdResults out{*dx,       *dweights,  *dw_gate, *dw_up, *dw_down,   *dws_gate,
                     *dws_up,   *dws_down,  *dy_routed, *dgu, *dx_routed, *dgu_shared,
                     *xs,       *h,         *h_shared,  *dx_shared,
-                    *gu_scratch, *gu_shared_scratch};
+                    *gu_scratch, *gu_shared_scratch, *queue};
   auto dims = CheckInputs("mok_moe_bwd", in, block_m, recompute);
   if (dims.has_error()) return dims.error();
   auto dtype = x.element_type();

@@ -26,14 +26,14 @@ ffi::Error MoeBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
                       ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> h_shared,
                       ffi::Result<ffi::AnyBuffer> dx_shared,
                       ffi::Result<ffi::AnyBuffer> gu_scratch,
-                      ffi::Result<ffi::AnyBuffer> gu_shared_scratch, int64_t block_m,
-                      bool recompute) {
+                      ffi::Result<ffi::AnyBuffer> gu_shared_scratch,
+                      ffi::Result<ffi::AnyBuffer> queue, int64_t block_m, bool recompute) {
   MoeInputs in{x, experts, weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down};
   MoeResiduals res{pos, offsets, rows, gu, y_routed, gu_shared};
   MoeBwdResults out{*dx,     *dweights, *dw_gate,   *dw_up, *dw_down,   *dws_gate,
                     *dws_up, *dws_down, *dy_routed, *dgu,   *dx_routed, *dgu_shared,
                     *xs,     *h,        *h_shared,  *dx_shared,
-                    *gu_scratch, *gu_shared_scratch};
+                    *gu_scratch, *gu_shared_scratch, *queue};
   auto dims = CheckInputs("mok_moe_bwd", in, block_m, recompute);
   if (dims.has_error()) return dims.error();
   const MoeDims& d = *dims;
@@ -65,6 +65,7 @@ ffi::Error MoeBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
   a.recompute = d.recompute;
   a.gu_scratch = out.gu_scratch.untyped_data();
   a.gu_shared_scratch = out.gu_shared_scratch.untyped_data();
+  a.queue = out.queue.reinterpret_data<int32_t>();
   if (const char* err = cuda::LaunchMoeBwd(a, stream))
     return ffi::Error::Internal(std::string("mok_moe_bwd: ") + err);
   return ffi::Error::Success();

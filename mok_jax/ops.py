@@ -225,6 +225,7 @@ def bwd_results(dims: MoeDims, dtype, block_m, recompute=False) -> tuple:
       sds((T if Is else 0, H), jnp.float32),  # scratch: dx of the shared expert
       sds((Rg, 2 * I), dtype),  # scratch: gu recomputed from x (recompute)
       sds((Tg, 2 * Is), dtype),  # scratch: gu_shared recomputed from x
+      sds((_mok_cpu.tile_queue_ints(T, k, E),), jnp.int32),  # scratch: tile queues of the GEMMs
   )
 
 
@@ -244,7 +245,7 @@ def footprint(dims: MoeDims, dtype, block_m=128, recompute=False) -> Footprint:
     residuals   = 4 (T k + E + 1 + R) + b R H + (1 - C) G
     fwd scratch = b (R H + R I + T Is + S T H) + 4 (ceil(T k / 1024) E + Q),
                   Q = 8 + ceil((T k + 127 E) / 64) + ceil(T / 128) (the tile queue)
-    bwd scratch = b (R H + 2 R I + 2 T Is + R H + R I + T Is) + 4 (R H + S T H) + C G
+    bwd scratch = b (R H + 2 R I + 2 T Is + R H + R I + T Is) + 4 (R H + S T H + Q) + C G
 
   Recompute moves G from the residuals, held from the forward until the backward, into the
   backward's scratch, which that call frees; the forward then does not write gu at all. The
@@ -262,7 +263,7 @@ def footprint(dims: MoeDims, dtype, block_m=128, recompute=False) -> Footprint:
       residuals=4 * (T * k + E + 1 + R) + b * R * H + (1 - C) * G,
       fwd_scratch=b * (R * H + R * I + T * Is + S * T * H) + 4 * (chunks * E + Q),
       bwd_scratch=b * (R * H + 2 * R * I + 2 * T * Is + R * H + R * I + T * Is)
-      + 4 * (R * H + S * T * H) + C * G,
+      + 4 * (R * H + S * T * H + Q) + C * G,
   )
 
 

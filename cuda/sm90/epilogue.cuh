@@ -11,8 +11,11 @@
 
 namespace mok::sm90 {
 
-__device__ __forceinline__ float Sigmoid(float g) { return 1.0f / (1.0f + __expf(-g)); }
-__device__ __forceinline__ float Silu(float g) { return g / (1.0f + __expf(-g)); }
+// NOTES: an IEEE division (FCHK, a slow path, a Newton step) per value made the SwiGLU
+// epilogue a tenth of a tile's time in ncu; __fdividef is one MUFU.RCP and a multiply (2 ulp).
+// For g < -87, 1 + exp(-g) overflows and both give 0, as silu(g) and sigmoid(g) round to.
+__device__ __forceinline__ float Sigmoid(float g) { return __fdividef(1.0f, 1.0f + __expf(-g)); }
+__device__ __forceinline__ float Silu(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
 
 __device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -40,10 +43,18 @@ __device__ __forceinline__ int StageIndex(int r, int chunk) {
   return r * kStageCols + ((chunk ^ (r % 8)) << 3);
 }
 
+// Where a staged 16-byte chunk goes: chunk `chunk` of output row `row` is at p + row * pitch
+// (p null: nowhere).
+struct ChunkDst {
+  __nv_bfloat16* p;
+  int64_t pitch;
+};
+
 // One staging pass over 64 of the tile's columns: pair(u) packs this thread's values u, u + 1
 // of the pass (u = 4 chunk + 2 half: its row AccRow + 8 half, columns AccCol + 8 chunk of the
-// pass); dst(row, chunk) is where 16-byte chunk `chunk` of an output row goes (null: nowhere).
-// Rows from m_end on are not stored.
+// pass); dst(chunk) says where 16-byte chunk `chunk` of the pass's columns goes. Rows from
+// m_end on are not stored. A thread copies out the same chunk of rows r, r + 16, r + 32,
+// r + 48: one destination and one bounds check of the columns per pass.
 template <class Pair, class Dst>
 __device__ __forceinline__ void StagePass(bf16_t* stage, int wg_thread, uint32_t barrier,
                                           int64_t row0, int64_t m_end, Pair pair, Dst dst) {
@@ -58,11 +69,14 @@ __device__ __forceinline__ void StagePass(bf16_t* stage, int wg_thread, uint32_t
     }
   }
   NamedBarrierSync(barrier, 128);
-  for (int i = wg_thread; i < kWarpgroupRows * 8; i += 128) {
-    const int r = i / 8, chunk = i % 8;
-    if (row0 + r >= m_end) continue;
-    if (__nv_bfloat16* out = dst(row0 + r, chunk))
-      *reinterpret_cast<uint4*>(out) =
+  const int chunk = wg_thread % 8, r1 = wg_thread / 8;
+  const ChunkDst out = dst(chunk);
+  if (out.p == nullptr) return;
+  CUTE_UNROLL
+  for (int q = 0; q < kWarpgroupRows / 16; ++q) {
+    const int r = r1 + 16 * q;
+    if (row0 + r < m_end)
+      *reinterpret_cast<uint4*>(out.p + (row0 + r) * out.pitch) =
           *reinterpret_cast<const uint4*>(stage + StageIndex(r, chunk));
   }
 }
@@ -86,12 +100,11 @@ __device__ __forceinline__ void StageAndStore(const GemmParams& p, const GemmTil
     for (int pass = 0; pass < C::kBlockN / kStageCols; ++pass) {
       StagePass(stage, wg_thread, barrier, row0, tile.m_end,
                 [&](int u) { return PackBf16(acc(32 * pass + u), acc(32 * pass + u + 1)); },
-                [&](int64_t row, int chunk) -> __nv_bfloat16* {
+                [&](int chunk) -> ChunkDst {
                   // 8-column chunks never straddle n_split (a multiple of 64).
                   const int64_t col = col0 + pass * kStageCols + chunk * 8;
-                  if (col >= p.n) return nullptr;
-                  return col < p.n_split ? out0 + row * p.n_split + col
-                                         : out1 + row * p.n_split + (col - p.n_split);
+                  if (col >= p.n) return {nullptr, 0};
+                  return {col < p.n_split ? out0 + col : out1 + (col - p.n_split), p.n_split};
                 });
     }
   } else {
@@ -112,9 +125,9 @@ __device__ __forceinline__ void StageAndStore(const GemmParams& p, const GemmTil
         const int64_t half_base = pass < 2 ? 0 : p.n;  // gate or up half of a gu row
         StagePass(stage, wg_thread, barrier, row0, tile.m_end,
                   [&](int u) { return PackBf16(acc(32 * pass + u), acc(32 * pass + u + 1)); },
-                  [&](int64_t row, int chunk) -> __nv_bfloat16* {
+                  [&](int chunk) -> ChunkDst {
                     const int64_t col = col0 + (pass % 2) * kStageCols + chunk * 8;
-                    return col < p.n ? gu + row * 2 * p.n + half_base + col : nullptr;
+                    return {col < p.n ? gu + half_base + col : nullptr, 2 * int64_t{p.n}};
                   });
       }
     }
@@ -125,9 +138,9 @@ __device__ __forceinline__ void StageAndStore(const GemmParams& p, const GemmTil
                   const int v = 32 * pass + u;
                   return PackBf16(Silu(acc(v)) * acc(v + 64), Silu(acc(v + 1)) * acc(v + 65));
                 },
-                [&](int64_t row, int chunk) -> __nv_bfloat16* {
+                [&](int chunk) -> ChunkDst {
                   const int64_t col = col0 + pass * kStageCols + chunk * 8;
-                  return col < p.n ? h + row * p.n + col : nullptr;
+                  return {col < p.n ? h + col : nullptr, int64_t{p.n}};
                 });
     }
   }
@@ -158,27 +171,45 @@ __device__ __forceinline__ void StoreTile(const GemmParams& p, const GemmTile& t
         *reinterpret_cast<float2*>(out + row * p.n_split + col) = make_float2(acc(v), acc(v + 1));
     }
   } else if constexpr (kEpi == Epilogue::kSwiGLUBwd) {
-    const int two_n = 2 * p.n;
+    const int64_t two_n = 2 * int64_t{p.n};
     auto* dgu = static_cast<__nv_bfloat16*>(p.out0);
     auto* h = static_cast<__nv_bfloat16*>(p.out1);
+    const auto* gu = reinterpret_cast<const uint32_t*>(p.aux);  // bf16 pairs
+    // NOTES: in groups of 16 value pairs whose 32 gu loads are all issued before any is used.
+    // Written one pair at a time, the loop was not unrolled, and every pair waited out a
+    // global load's latency: ncu put this GEMM at 28% SM throughput on qwen3_30b.
+    constexpr int kPairs = 16;
     CUTE_UNROLL
-    for (int v = 0; v < 128; v += 2) {
-      const int64_t row = row_base + AccRowStep(v);
-      const int col = col_base + AccColStep(v);
-      if (row >= tile.m_end || col >= p.n) continue;
-      const float2 g = UnpackBf16(*reinterpret_cast<const uint32_t*>(p.aux + row * two_n + col));
-      const float2 u =
-          UnpackBf16(*reinterpret_cast<const uint32_t*>(p.aux + row * two_n + p.n + col));
-      const float dh0 = acc(v), dh1 = acc(v + 1);
-      const float s0 = Sigmoid(g.x), s1 = Sigmoid(g.y);
-      const float silu0 = g.x * s0, silu1 = g.y * s1;
-      // d silu / dg = sigmoid(g) * (1 + g * (1 - sigmoid(g)))
-      *reinterpret_cast<uint32_t*>(dgu + row * two_n + col) =
-          PackBf16(dh0 * u.x * s0 * (1.0f + g.x * (1.0f - s0)),
-                   dh1 * u.y * s1 * (1.0f + g.y * (1.0f - s1)));
-      *reinterpret_cast<uint32_t*>(dgu + row * two_n + p.n + col) =
-          PackBf16(dh0 * silu0, dh1 * silu1);
-      *reinterpret_cast<uint32_t*>(h + row * p.n + col) = PackBf16(silu0 * u.x, silu1 * u.y);
+    for (int v0 = 0; v0 < 128; v0 += 2 * kPairs) {
+      uint32_t g_bits[kPairs], u_bits[kPairs];
+      CUTE_UNROLL
+      for (int j = 0; j < kPairs; ++j) {
+        const int v = v0 + 2 * j;
+        const int64_t row = row_base + AccRowStep(v);
+        const int col = col_base + AccColStep(v);
+        const bool in = row < tile.m_end && col < p.n;
+        const int64_t at = (row * two_n + col) / 2;
+        g_bits[j] = in ? __ldg(gu + at) : 0u;
+        u_bits[j] = in ? __ldg(gu + at + p.n / 2) : 0u;
+      }
+      CUTE_UNROLL
+      for (int j = 0; j < kPairs; ++j) {
+        const int v = v0 + 2 * j;
+        const int64_t row = row_base + AccRowStep(v);
+        const int col = col_base + AccColStep(v);
+        if (row >= tile.m_end || col >= p.n) continue;
+        const float2 g = UnpackBf16(g_bits[j]), u = UnpackBf16(u_bits[j]);
+        const float dh0 = acc(v), dh1 = acc(v + 1);
+        const float s0 = Sigmoid(g.x), s1 = Sigmoid(g.y);
+        const float silu0 = g.x * s0, silu1 = g.y * s1;
+        // d silu / dg = sigmoid(g) * (1 + g * (1 - sigmoid(g)))
+        *reinterpret_cast<uint32_t*>(dgu + row * two_n + col) =
+            PackBf16(dh0 * u.x * s0 * (1.0f + g.x * (1.0f - s0)),
+                     dh1 * u.y * s1 * (1.0f + g.y * (1.0f - s1)));
+        *reinterpret_cast<uint32_t*>(dgu + row * two_n + p.n + col) =
+            PackBf16(dh0 * silu0, dh1 * silu1);
+        *reinterpret_cast<uint32_t*>(h + row * p.n + col) = PackBf16(silu0 * u.x, silu1 * u.y);
+      }
     }
   } else {
     StageAndStore<Kind>(p, tile, smem, thread, acc, group_base);

@@ -1,7 +1,6 @@
-// The expert MLPs of the forward (gate|up with SwiGLU, then down, in one launch), and the
-// gate|up GEMM alone for the backward's recompute (Config.recompute). Both run one and the same
-// compiled kernel: a recomputed gu has the bits of a saved one only if the same code runs with
-// the same parameters on the same rows.
+// The expert MLPs of the forward (gate|up with SwiGLU, then down, in one launch), also run with
+// gate|up alone by the backward's recompute (Config.recompute): a recomputed gu has the bits of
+// a saved one only if the same code runs with the same parameters on the same rows.
 #pragma once
 
 #include <cstdint>
@@ -25,17 +24,15 @@ struct ExpertMlp {
   int ready_base;  // where this MLP's per-row-tile counts start after the queue header
 };
 
-// The forward's MLPs (at most two: the routed experts, the shared expert; at most one with
-// offsets) in one persistent launch that hands out tiles from `queue` (TileQueueInts, zeroed):
-// every gate|up tile, then every down tile, each down tile once its rows' h is complete.
-// gate_up / down false leave that GEMM out (MOK_FWD_SKIP); the results are then wrong.
-const char* LaunchExpertMlps(const ExpertMlp* mlps, int count, bool gate_up, bool down,
-                             int32_t* queue, cudaStream_t stream);
-
-// gu and h of one MLP (its w_down and y unused), for the backward's recompute.
+// The MLPs (at most two: the routed experts, the shared expert, which has no offsets) in one
+// persistent launch that hands out tiles from *counter (zeroed): every gate|up tile, then every
+// down tile, each down tile once its rows' h is complete (counts per row tile in `ready`,
+// zeroed, at each MLP's ready_base). gate_up / down false leave that GEMM out (the backward's
+// recompute runs gate|up alone; MOK_FWD_SKIP).
 //
-// Defined in expert_mlp.cu alone, as is LaunchExpertMlps: nvcc gives every translation unit
-// that instantiates a kernel template its own copy.
-const char* LaunchGateUp(const ExpertMlp& mlp, cudaStream_t stream);
+// Defined in expert_mlp.cu alone: nvcc gives every translation unit that instantiates a kernel
+// template its own copy.
+const char* LaunchExpertMlps(const ExpertMlp* mlps, int count, bool gate_up, bool down,
+                             int32_t* counter, int32_t* ready, cudaStream_t stream);
 
 }  // namespace mok::sm90

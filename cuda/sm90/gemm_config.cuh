@@ -110,8 +110,10 @@ struct ChainParams {
                                // counts in `ready` start here; a tile waits until the count of
   int wait_count[kMaxChain];   // its row tile reaches wait_count (that slot's column tiles)
   int ready_base[kMaxChain];   // -1, or where this slot's per-row-tile counts start in `ready`
-  int32_t* queue;              // null: CTA c takes the tiles c, c + grid, ...; else *queue is
-                               // the next tile to hand out (a persistent grid; zero before launch)
+  int32_t* queue;              // *queue: the next tile to hand out (zero before launch). Tiles go
+                               // out in order, as SMs free up: CTAs that share an expert's
+                               // weights stay together in time, and no CTA waits for a tile
+                               // that is not already running.
   int32_t* ready;              // finished column tiles per row tile (zero before launch)
 };
 

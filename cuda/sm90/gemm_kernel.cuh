@@ -1,9 +1,8 @@
 // The grouped expert GEMM kernel: warp-specialised (one producer warpgroup, two consumer
 // warpgroups), TMA -> mbarrier ring -> wgmma, then an epilogue, over the tiles of a chain of
-// GEMMs (ChainParams: one GEMM in slot 0, or the forward's expert MLPs in kSlots = 4). The producer thread picks each
-// tile (from the device queue, or by grid stride) and passes it to the consumers through a
-// small ring in shared memory; while the consumers run a tile's epilogue, it is already loading
-// the next tile's stages.
+// GEMMs (ChainParams). The producer thread takes each tile from the device queue and passes it
+// to the consumers through a small ring in shared memory; while the consumers run a tile's
+// epilogue, it is already loading the next tile's stages.
 #pragma once
 
 #include <type_traits>
@@ -96,7 +95,8 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
       if (p.n_tiles == 0) continue;
       PrefetchTmaDescriptor(&p.a);
       PrefetchTmaDescriptor(&p.b0);
-      if (p.k_split < p.k || (i < 2 ? Kind0::kEpi : Kind1::kEpi) == Epilogue::kSwiGLU)
+      if ((Kind0::kKMajorB && p.k_split < p.k) ||
+          (i < 2 ? Kind0::kEpi : Kind1::kEpi) == Epilogue::kSwiGLU)
         PrefetchTmaDescriptor(&p.b1);
     }
     for (int s = 0; s < C::kStages; ++s) {
@@ -136,8 +136,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     const int64_t total = cs.first_tile[kSlots];
     for (uint32_t j = 0;; ++j) {
       const int slot = j % kTileSlots;
-      const int64_t linear = c.queue ? int64_t{atomicAdd(c.queue, 1)}
-                                     : blockIdx.x + int64_t{j} * gridDim.x;
+      const int64_t linear = atomicAdd(c.queue, 1);
       BarrierWait(&cs.slot_empty[slot], ((j / kTileSlots) & 1) ^ 1);
       cs.slot_tile[slot] = linear < total ? static_cast<int32_t>(linear) : -1;  // -1: done
       BarrierArrive(&cs.slot_full[slot]);

@@ -24,30 +24,10 @@ inline const char* Check(cudaError_t e) {
   return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
 }
 
-// Row-group GEMMs whose groups average at least this many rows run persistent.
-constexpr int kPersistentMinRowsPerGroup = 1024;
-
 // K-major operands are read in (64, box_rows) boxes, MN-major ones in (64, 64) boxes.
 inline bool Describe(CUtensorMap* map, const Matrix& m, bool k_major, int box_rows) {
   return MakeTensorMap(map, m.base, m.inner, m.rows, GemmConfig::kBoxInner,
                        k_major ? box_rows : GemmConfig::kBlockK);
-}
-
-// Whether to launch one CTA per SM that walks the tiles (persistent), or one CTA per tile. The
-// kernel is the same. Persistence overlaps an epilogue with the next tile's loads; one CTA per
-// tile lets the hardware hand out tiles in order as SMs free up, which keeps the CTAs that
-// share an expert's weights together in time. Measured on the H200 (2026-11-29), forcing one
-// or the other everywhere: the forward with experts of a few hundred rows (gptoss_120b, dsv3)
-// ran 9-14% faster with one CTA per tile, with experts of thousands (mixtral, qwen3_30b) 0-3%
-// faster persistent, and the backward of all four shapes 1-10% faster persistent. This choice
-// (persistent but for row groups averaging under 1024 rows) beat both in the bench.
-// MOK_GEMM_PERSISTENT=0/1 overrides (a diagnostic).
-template <class Kind>
-bool Persistent(const GemmParams& p) {
-  static const char* env = std::getenv("MOK_GEMM_PERSISTENT");
-  if (env && (env[0] == '0' || env[0] == '1')) return env[0] == '1';
-  if (Kind::kSched == Schedule::kGroupedK || !p.offsets) return true;
-  return p.m_total >= int64_t{kPersistentMinRowsPerGroup} * p.groups;
 }
 
 // Row tiles per band of the tile order. Eight row tiles and the column panels the rest of a
@@ -103,33 +83,22 @@ const char* LaunchChain(const ChainParams& c, int64_t ctas, cudaStream_t stream)
   return Check(cudaGetLastError());
 }
 
+// The prepared GEMMs of `c` on a persistent grid that takes its tiles from c.queue.
+template <class Kind0, class Kind1>
+const char* LaunchQueued(const ChainParams& c, cudaStream_t stream) {
+  int64_t tiles = 0;
+  for (int i = 0; i < kMaxChain; ++i) tiles += c.gemm[i].tiles;
+  if (tiles == 0) return nullptr;
+  int sms = 0;
+  if (auto err = SmCount(&sms)) return err;
+  return LaunchChain<Kind0, Kind1, kMaxChain>(c, std::min<int64_t>(tiles, sms), stream);
+}
+
 // An empty chain: no slot has tiles, waits or counts.
 inline ChainParams EmptyChain() {
   ChainParams c{};
   for (int i = 0; i < kMaxChain; ++i) c.wait_base[i] = -1, c.wait_count[i] = 0, c.ready_base[i] = -1;
   return c;
-}
-
-// One prepared GEMM of `Kind` in slot 0 of the kernel GemmChainKernel<Kind, Kind1, kSlots>,
-// persistent or one CTA per tile (Persistent), tiles by grid stride.
-template <class Kind, class Kind1 = Kind, int kSlots = 1>
-const char* LaunchGemmWith(const GemmParams& p, cudaStream_t stream) {
-  ChainParams c = EmptyChain();
-  c.gemm[0] = p;
-  int64_t ctas = p.tiles;
-  if (p.tiles > 0 && Persistent<Kind>(p)) {
-    int sms = 0;
-    if (auto err = SmCount(&sms)) return err;
-    ctas = std::min<int64_t>(ctas, sms);
-  }
-  return LaunchChain<Kind, Kind1, kSlots>(c, ctas, stream);
-}
-
-template <class Kind>
-const char* LaunchGemm(GemmParams p, const Matrix& a, const Matrix& b0, const Matrix& b1,
-                       cudaStream_t stream) {
-  if (auto err = PrepareGemm<Kind>(p, a, b0, b1)) return err;
-  return LaunchGemmWith<Kind>(p, stream);
 }
 
 using cute::GMMA::Major;

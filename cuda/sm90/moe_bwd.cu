@@ -1,14 +1,16 @@
 // Launch of the backward on one GPU, all on XLA's stream with no host synchronisation:
 //
-//   gu, h = SwiGLU(xs @ [w_gate | w_up]) (recompute only)  LaunchGateUp, as the forward
+//   gu, h = SwiGLU(xs @ [w_gate | w_up]) (recompute only)  LaunchExpertMlps, as the forward
 //   dy_r = w * dy (gathered), dweights = <dy, y_routed>    ScaleGatherKernel
-//   dgu, h = SwiGLU'(dy_r @ w_down^T)                      BwdDown
-//   dx_r = dgu @ [w_gate | w_up]^T  (f32)                  BwdGateUp
-//   dw_down = h^T @ dy_r, [dw_gate | dw_up] = xs^T @ dgu   BwdWeights, one CTA per output tile
+//   dgu, h = SwiGLU'(dy_r @ w_down^T)                      BwdDown   } one launch: LaunchDataGrads
+//   dx_r = dgu @ [w_gate | w_up]^T  (f32)                  BwdGateUp }
+//   dw_down = h^T @ dy_r, [dw_gate | dw_up] = xs^T @ dgu   BwdWeights, one CTA per output tile,
+//                                                          one launch: LaunchWeightGrads
 //   dx = sum_j dx_r[pos] + shared dx                       CombineKernel
 //
 // Every reduction has a single owner and a fixed order: the same bits on every run.
 #include "../launch.h"
+#include "../layout_contract.h"
 #include "combine.cuh"
 #include "expert_mlp.cuh"
 #include "gather.cuh"
@@ -17,9 +19,9 @@
 namespace mok::cuda {
 
 using sm90::CeilDiv;
+using sm90::ChainParams;
 using sm90::Check;
 using sm90::GemmParams;
-using sm90::Matrix;
 
 namespace {
 
@@ -35,36 +37,74 @@ struct MlpGrads {
   void *dgu, *h;      // scratch
   float* dx_rows;     // (m, H)
   void *dw_gate, *dw_up, *dw_down;
+  int ready_base;     // where its per-row-tile counts of dgu start in the ready counts
 };
 
-const char* LaunchMlpBackward(const MlpGrads& g, cudaStream_t stream) {
-  const int H = static_cast<int>(g.H), I = static_cast<int>(g.I);
+GemmParams RowGroups(const MlpGrads& g) {
   GemmParams p{};
   p.offsets = g.offsets, p.block_m = g.block_m, p.groups = g.groups, p.m_total = g.m;
-  // dh = dy_r @ w_down^T; B(n, k) = w_down[group * I + n, k].
-  p.n = I, p.k = H, p.k_split = H, p.n_split = I;
-  p.aux = static_cast<const __nv_bfloat16*>(g.gu), p.out0 = g.dgu, p.out1 = g.h;
-  if (auto err = sm90::LaunchGemm<sm90::BwdDown>(p, {g.dy_r, H, g.m},
-                                                  {g.w_down, H, g.groups * g.I}, {}, stream))
-    return err;
-  // dx_r = [dg | du] @ [w_gate | w_up]^T; B(n, k) = w_gate[group * H + n, k] (k < I), then w_up.
-  p.n = H, p.k = 2 * I, p.k_split = I, p.n_split = H;
-  p.aux = nullptr, p.out0 = g.dx_rows, p.out1 = nullptr;
-  if (auto err = sm90::LaunchGemm<sm90::BwdGateUp>(p, {g.dgu, 2 * g.I, g.m},
-                                                    {g.w_gate, I, g.groups * g.H},
-                                                    {g.w_up, I, g.groups * g.H}, stream))
-    return err;
-  // dw_down_g = h_g^T @ dy_r_g: (I, H) per group.
-  p.m = I, p.n = H, p.n_split = H, p.group_stride = g.I * g.H;
-  p.out0 = g.dw_down, p.out1 = g.dw_down;
-  if (auto err = sm90::LaunchGemm<sm90::BwdWeights>(p, {g.h, I, g.m}, {g.dy_r, H, g.m}, {},
-                                                     stream))
-    return err;
-  // [dw_gate_g | dw_up_g] = x_rows_g^T @ [dg_g | du_g]: (H, 2I) per group, split at I.
-  p.m = H, p.n = 2 * I, p.n_split = I, p.group_stride = g.H * g.I;
-  p.out0 = g.dw_gate, p.out1 = g.dw_up;
-  return sm90::LaunchGemm<sm90::BwdWeights>(p, {g.x_rows, H, g.m}, {g.dgu, 2 * g.I, g.m}, {},
-                                            stream);
+  return p;
+}
+
+// The data gradients of the MLPs (routed, and the shared one if count = 2) in one persistent
+// launch: dgu, h = SwiGLU'(dy_r @ w_down^T) (slots 0, 1), then dx_r = dgu @ [w_gate | w_up]^T
+// (slots 2, 3), each of whose tiles waits for the dgu of its rows.
+const char* LaunchDataGrads(const MlpGrads* mlps, int count, int32_t* counter, int32_t* ready,
+                            cudaStream_t stream) {
+  ChainParams c = sm90::EmptyChain();
+  c.queue = counter, c.ready = ready;
+  for (int j = 0; j < count; ++j) {
+    const MlpGrads& g = mlps[j];
+    const int H = static_cast<int>(g.H), I = static_cast<int>(g.I);
+    // dh = dy_r @ w_down^T; B(n, k) = w_down[group * I + n, k].
+    GemmParams& down = c.gemm[j];
+    down = RowGroups(g);
+    down.n = I, down.k = H, down.k_split = H, down.n_split = I;
+    down.aux = static_cast<const __nv_bfloat16*>(g.gu), down.out0 = g.dgu, down.out1 = g.h;
+    if (auto err = sm90::PrepareGemm<sm90::BwdDown>(down, {g.dy_r, H, g.m},
+                                                    {g.w_down, H, g.groups * g.I}, {}))
+      return err;
+    c.ready_base[j] = g.ready_base;
+    // dx_r = [dg | du] @ [w_gate | w_up]^T; B(n, k) = w_gate[group * H + n, k] (k < I), then
+    // w_up.
+    GemmParams& up = c.gemm[2 + j];
+    up = RowGroups(g);
+    up.n = H, up.k = 2 * I, up.k_split = I, up.n_split = H, up.out0 = g.dx_rows;
+    if (auto err = sm90::PrepareGemm<sm90::BwdGateUp>(up, {g.dgu, 2 * g.I, g.m},
+                                                      {g.w_gate, I, g.groups * g.H},
+                                                      {g.w_up, I, g.groups * g.H}))
+      return err;
+    c.wait_base[2 + j] = g.ready_base, c.wait_count[2 + j] = down.n_tiles;
+  }
+  return sm90::LaunchQueued<sm90::BwdDown, sm90::BwdGateUp>(c, stream);
+}
+
+// The weight gradients of the MLPs in one persistent launch, one CTA per output tile over the
+// whole ragged reduction: dw_down_g = h_g^T @ dy_r_g (I, H) (slots 0, 1) and [dw_gate_g |
+// dw_up_g] = x_rows_g^T @ [dg_g | du_g] (H, 2I, split at I) (slots 2, 3).
+const char* LaunchWeightGrads(const MlpGrads* mlps, int count, int32_t* counter,
+                              cudaStream_t stream) {
+  ChainParams c = sm90::EmptyChain();
+  c.queue = counter;
+  for (int j = 0; j < count; ++j) {
+    const MlpGrads& g = mlps[j];
+    const int H = static_cast<int>(g.H), I = static_cast<int>(g.I);
+    GemmParams& down = c.gemm[j];
+    down = RowGroups(g);
+    down.m = I, down.n = H, down.n_split = H, down.group_stride = g.I * g.H;
+    down.out0 = g.dw_down, down.out1 = g.dw_down;
+    if (auto err = sm90::PrepareGemm<sm90::BwdWeights>(down, {g.h, I, g.m}, {g.dy_r, H, g.m},
+                                                       {}))
+      return err;
+    GemmParams& up = c.gemm[2 + j];
+    up = RowGroups(g);
+    up.m = H, up.n = 2 * I, up.n_split = I, up.group_stride = g.H * g.I;
+    up.out0 = g.dw_gate, up.out1 = g.dw_up;
+    if (auto err = sm90::PrepareGemm<sm90::BwdWeights>(up, {g.x_rows, H, g.m},
+                                                       {g.dgu, 2 * g.I, g.m}, {}))
+      return err;
+  }
+  return sm90::LaunchQueued<sm90::BwdWeights, sm90::BwdWeights>(c, stream);
 }
 
 }  // namespace
@@ -81,6 +121,14 @@ const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
 
   if (auto err = Check(cudaMemsetAsync(a.dweights, 0, a.T * a.k * sizeof(float), stream)))
     return err;
+  // Tile queues (header ints): 0 the recompute's gate|up, 1 the data gradients, 2 the weight
+  // gradients; then the data gradients' per-row-tile counts of dgu.
+  if (auto err = Check(cudaMemsetAsync(a.queue, 0, TileQueueInts(a.T, a.k, a.E) *
+                                                       sizeof(int32_t), stream)))
+    return err;
+  int32_t* ready = a.queue + kQueueHeaderInts;
+  const int shared_ready_base = static_cast<int>(RoutedRowTilesBound(a.T * a.k, a.E));
+  const int mlp_count = a.Is > 0 ? 2 : 1;
   sm90::GatherKernel<<<row_ctas, 256, 0, stream>>>(static_cast<const uint4*>(a.x), a.rows,
                                                    rows_in_use, k, H / 8,
                                                    static_cast<uint4*>(a.xs));
@@ -90,15 +138,14 @@ const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
   const void* gu = a.recompute ? a.gu_scratch : a.gu;
   const void* gu_shared = a.recompute ? a.gu_shared_scratch : a.gu_shared;
   if (a.recompute) {
-    const sm90::ExpertMlp routed{a.xs, a.w_gate, a.w_up, a.w_down, a.offsets, a.block_m, E,
-                                 a.R,  a.H,      a.I,    a.gu_scratch, a.h, nullptr, -1};
-    if (auto err = sm90::LaunchGateUp(routed, stream)) return err;
-    if (a.Is > 0) {
-      const sm90::ExpertMlp shared{a.x,   a.ws_gate, a.ws_up, a.ws_down, nullptr,
-                                   128,   1,         a.T,     a.H,       a.Is,
-                                   a.gu_shared_scratch, a.h_shared, nullptr, -1};
-      if (auto err = sm90::LaunchGateUp(shared, stream)) return err;
-    }
+    const sm90::ExpertMlp mlps[2] = {
+        {a.xs, a.w_gate, a.w_up, a.w_down, a.offsets, a.block_m, E, a.R, a.H, a.I,
+         a.gu_scratch, a.h, nullptr, -1},
+        {a.x, a.ws_gate, a.ws_up, a.ws_down, nullptr, 128, 1, a.T, a.H, a.Is,
+         a.gu_shared_scratch, a.h_shared, nullptr, -1}};
+    if (auto err = sm90::LaunchExpertMlps(mlps, mlp_count, true, false, a.queue + 0, ready,
+                                          stream))
+      return err;
   }
   const auto* y_routed = static_cast<const bf16*>(a.y_routed);
   auto* dy_r = static_cast<bf16*>(a.dy_routed);
@@ -111,16 +158,14 @@ const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
         static_cast<const bf16*>(a.dy), y_routed, a.rows, rows_in_use, a.weights, k, H, dy_r,
         a.dweights);
   }
-  MlpGrads routed{a.xs,      gu,      a.dy_routed, a.w_gate, a.w_up, a.w_down,
-                  a.offsets, a.block_m, E,         a.R,      a.H,    a.I,
-                  a.dgu,     a.h,     a.dx_routed, a.dw_gate, a.dw_up, a.dw_down};
-  if (auto err = LaunchMlpBackward(routed, stream)) return err;
-  if (a.Is > 0) {
-    MlpGrads shared{a.x,          gu_shared,   a.dy,        a.ws_gate,  a.ws_up, a.ws_down,
-                    nullptr,      128,         1,           a.T,        a.H,     a.Is,
-                    a.dgu_shared, a.h_shared,  a.dx_shared, a.dws_gate, a.dws_up, a.dws_down};
-    if (auto err = LaunchMlpBackward(shared, stream)) return err;
-  }
+  const MlpGrads mlps[2] = {
+      {a.xs, gu, a.dy_routed, a.w_gate, a.w_up, a.w_down, a.offsets, a.block_m, E, a.R, a.H,
+       a.I, a.dgu, a.h, a.dx_routed, a.dw_gate, a.dw_up, a.dw_down, 0},
+      {a.x, gu_shared, a.dy, a.ws_gate, a.ws_up, a.ws_down, nullptr, 128, 1, a.T, a.H, a.Is,
+       a.dgu_shared, a.h_shared, a.dx_shared, a.dws_gate, a.dws_up, a.dws_down,
+       shared_ready_base}};
+  if (auto err = LaunchDataGrads(mlps, mlp_count, a.queue + 1, ready, stream)) return err;
+  if (auto err = LaunchWeightGrads(mlps, mlp_count, a.queue + 2, stream)) return err;
   sm90::CombineKernel<float, bf16><<<static_cast<unsigned>(CeilDiv(a.T, 8)), 256, 0, stream>>>(
       a.dx_routed, a.Is > 0 ? a.dx_shared : nullptr, a.pos, nullptr, a.T, k, H,
       static_cast<bf16*>(a.dx));

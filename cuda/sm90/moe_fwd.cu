@@ -95,7 +95,8 @@ const char* LaunchMoeFwd(const MoeFwdArgs& a, cudaStream_t stream) {
                                        stream)))
     return err;
   const int count = (a.Is > 0 && !skip.shared) ? 2 : 1;
-  if (auto err = sm90::LaunchExpertMlps(mlps, count, !skip.gemm1, !skip.gemm2, queue, stream))
+  if (auto err = sm90::LaunchExpertMlps(mlps, count, !skip.gemm1, !skip.gemm2, queue,
+                                        queue + kQueueHeaderInts, stream))
     return err;
   // 4. Combine.
   using bf16 = __nv_bfloat16;
