@@ -171,45 +171,27 @@ __device__ __forceinline__ void StoreTile(const GemmParams& p, const GemmTile& t
         *reinterpret_cast<float2*>(out + row * p.n_split + col) = make_float2(acc(v), acc(v + 1));
     }
   } else if constexpr (kEpi == Epilogue::kSwiGLUBwd) {
-    const int64_t two_n = 2 * int64_t{p.n};
+    const int two_n = 2 * p.n;
     auto* dgu = static_cast<__nv_bfloat16*>(p.out0);
     auto* h = static_cast<__nv_bfloat16*>(p.out1);
-    const auto* gu = reinterpret_cast<const uint32_t*>(p.aux);  // bf16 pairs
-    // NOTES: in groups of 16 value pairs whose 32 gu loads are all issued before any is used.
-    // Written one pair at a time, the loop was not unrolled, and every pair waited out a
-    // global load's latency: ncu put this GEMM at 28% SM throughput on qwen3_30b.
-    constexpr int kPairs = 16;
     CUTE_UNROLL
-    for (int v0 = 0; v0 < 128; v0 += 2 * kPairs) {
-      uint32_t g_bits[kPairs], u_bits[kPairs];
-      CUTE_UNROLL
-      for (int j = 0; j < kPairs; ++j) {
-        const int v = v0 + 2 * j;
-        const int64_t row = row_base + AccRowStep(v);
-        const int col = col_base + AccColStep(v);
-        const bool in = row < tile.m_end && col < p.n;
-        const int64_t at = (row * two_n + col) / 2;
-        g_bits[j] = in ? __ldg(gu + at) : 0u;
-        u_bits[j] = in ? __ldg(gu + at + p.n / 2) : 0u;
-      }
-      CUTE_UNROLL
-      for (int j = 0; j < kPairs; ++j) {
-        const int v = v0 + 2 * j;
-        const int64_t row = row_base + AccRowStep(v);
-        const int col = col_base + AccColStep(v);
-        if (row >= tile.m_end || col >= p.n) continue;
-        const float2 g = UnpackBf16(g_bits[j]), u = UnpackBf16(u_bits[j]);
-        const float dh0 = acc(v), dh1 = acc(v + 1);
-        const float s0 = Sigmoid(g.x), s1 = Sigmoid(g.y);
-        const float silu0 = g.x * s0, silu1 = g.y * s1;
-        // d silu / dg = sigmoid(g) * (1 + g * (1 - sigmoid(g)))
-        *reinterpret_cast<uint32_t*>(dgu + row * two_n + col) =
-            PackBf16(dh0 * u.x * s0 * (1.0f + g.x * (1.0f - s0)),
-                     dh1 * u.y * s1 * (1.0f + g.y * (1.0f - s1)));
-        *reinterpret_cast<uint32_t*>(dgu + row * two_n + p.n + col) =
-            PackBf16(dh0 * silu0, dh1 * silu1);
-        *reinterpret_cast<uint32_t*>(h + row * p.n + col) = PackBf16(silu0 * u.x, silu1 * u.y);
-      }
+    for (int v = 0; v < 128; v += 2) {
+      const int64_t row = row_base + AccRowStep(v);
+      const int col = col_base + AccColStep(v);
+      if (row >= tile.m_end || col >= p.n) continue;
+      const float2 g = UnpackBf16(*reinterpret_cast<const uint32_t*>(p.aux + row * two_n + col));
+      const float2 u =
+          UnpackBf16(*reinterpret_cast<const uint32_t*>(p.aux + row * two_n + p.n + col));
+      const float dh0 = acc(v), dh1 = acc(v + 1);
+      const float s0 = Sigmoid(g.x), s1 = Sigmoid(g.y);
+      const float silu0 = g.x * s0, silu1 = g.y * s1;
+      // d silu / dg = sigmoid(g) * (1 + g * (1 - sigmoid(g)))
+      *reinterpret_cast<uint32_t*>(dgu + row * two_n + col) =
+          PackBf16(dh0 * u.x * s0 * (1.0f + g.x * (1.0f - s0)),
+                   dh1 * u.y * s1 * (1.0f + g.y * (1.0f - s1)));
+      *reinterpret_cast<uint32_t*>(dgu + row * two_n + p.n + col) =
+          PackBf16(dh0 * silu0, dh1 * silu1);
+      *reinterpret_cast<uint32_t*>(h + row * p.n + col) = PackBf16(silu0 * u.x, silu1 * u.y);
     }
   } else {
     StageAndStore<Kind>(p, tile, smem, thread, acc, group_base);
