@@ -90,7 +90,7 @@ struct GemmParams {
   int n_split;              // kStore*: column split and row pitch of the outputs
   int n_tiles, m_tiles;
   int raster_rows;          // row tiles per band of the tile order (tile_scheduler.cuh)
-  int64_t tiles;            // linear tiles (LinearTiles); the persistent grid strides over them
+  int64_t tiles;            // an upper bound on the linear tiles (LinearTiles): sizes the grid
   int64_t group_stride;     // kGroupedK: elements between consecutive groups' outputs
   void* out0;
   void* out1;

@@ -38,21 +38,26 @@ __device__ __forceinline__ uint64_t GlobalTimerNs() {
   return t;
 }
 
+// One test of whether the phase of `bar` with parity `parity` has completed.
+__device__ __forceinline__ bool BarrierTryWait(uint32_t addr, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      " selp.u32 %0, 1, 0, p;\n}"
+      : "=r"(done)
+      : "r"(addr), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
 // Waits until the phase of `bar` with parity `parity` has completed.
 __device__ __forceinline__ void BarrierWait(uint64_t* bar, uint32_t parity) {
-  uint32_t addr = SmemAddr(bar);
+  const uint32_t addr = SmemAddr(bar);
   // NOTES: a legitimate wait lasts microseconds (milliseconds under compute-sanitizer); one of
   // four seconds is a pipeline bug, and trapping turns a hung GPU into an error that XLA reports.
   uint64_t start = 0;
   for (uint32_t spins = 1;; ++spins) {
-    uint32_t done;
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;\n}"
-        : "=r"(done)
-        : "r"(addr), "r"(parity)
-        : "memory");
-    if (done) return;
+    if (BarrierTryWait(addr, parity)) return;
     if (spins % 1024 == 0) {
       const uint64_t now = GlobalTimerNs();
       if (start == 0) start = now;
@@ -65,15 +70,8 @@ __device__ __forceinline__ void BarrierWait(uint64_t* bar, uint32_t parity) {
 // and trap, inlined in the persistent tile loop, made ptxas spill there. Sound because the
 // producer publishes every tile before any wait that can trap.
 __device__ __forceinline__ void BarrierWaitLean(uint64_t* bar, uint32_t parity) {
-  uint32_t addr = SmemAddr(bar);
-  uint32_t done = 0;
-  while (!done) {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;\n}"
-        : "=r"(done)
-        : "r"(addr), "r"(parity)
-        : "memory");
+  const uint32_t addr = SmemAddr(bar);
+  while (!BarrierTryWait(addr, parity)) {
   }
 }
 

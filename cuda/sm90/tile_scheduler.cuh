@@ -1,6 +1,5 @@
-// Which output tiles a CTA computes, and over which reduction range. CTA c takes the linear
-// tiles c, c + grid, c + 2 grid, ... (many on a persistent grid of one CTA per SM, one on
-// a grid of one CTA per tile). Within a group the tiles come in bands of raster_rows row tiles,
+// Which output tile a linear tile index is, and over which reduction range (the launch's
+// device queue hands the indices out in order, gemm_kernel.cuh). Within a group the tiles come in bands of raster_rows row tiles,
 // rows fastest inside a band, so the CTAs busy at once share a few weight column panels and a
 // few row blocks of A. Column tiles fastest instead made every row tile re-read all of a large
 // expert's weights from HBM (mixtral's gate|up: 235 MB per expert, 16 row tiles). The group
@@ -28,8 +27,8 @@ struct GemmTile {
   bool half;        // only rows [m0, m0 + 64) are the group's: the second warpgroup idles
 };
 
-// An upper bound on the linear tiles of one launch; the grid strides over them and stops at the
-// first index past the last tile.
+// An upper bound on the linear tiles of one GEMM, known on the host (it sizes the grid);
+// TileCount is the exact count, known on the device once the offsets are.
 template <Schedule kSched>
 inline int64_t LinearTiles(const GemmParams& p) {
   if constexpr (kSched == Schedule::kRowsByGroup) {
@@ -92,7 +91,7 @@ __device__ __forceinline__ RasterPos Raster(int64_t local, int64_t rows, int col
 }
 
 // offsets, tile_start: the groups' offsets and ScanGroupTiles in shared memory, or null (one
-// group). Tiles come in increasing linear order; the first invalid one ends the CTA's walk.
+// group). `linear` < TileCount: `valid` is then always true (kept from the grid-stride walk).
 template <Schedule kSched>
 __device__ __forceinline__ GemmTile ScheduleTile(const GemmParams& p, const int32_t* offsets,
                                                  const int32_t* tile_start, int64_t linear) {
