@@ -166,7 +166,9 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
       if (linear < 0) break;
       const int i = ChainIndex(cs, kSlots, linear);
       GemmTile tile;
-      WithSlot<kSlots>(i, [&](auto s) __attribute__((always_inline)) { tile = schedule(s, linear); });
+      WithSlot<kSlots>(i, [&](auto s) __attribute__((always_inline)) {
+        tile = schedule(s, linear);
+      });
       auto acc = cute::partition_fragment_C(
           typename GemmLayouts<Kind0>::TiledMma{},
           cute::Shape<cute::Int<C::kBlockM>, cute::Int<C::kBlockN>>{});

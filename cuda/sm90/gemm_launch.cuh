@@ -97,7 +97,9 @@ const char* LaunchQueued(const ChainParams& c, cudaStream_t stream) {
 // An empty chain: no slot has tiles, waits or counts.
 inline ChainParams EmptyChain() {
   ChainParams c{};
-  for (int i = 0; i < kMaxChain; ++i) c.wait_base[i] = -1, c.wait_count[i] = 0, c.ready_base[i] = -1;
+  for (int i = 0; i < kMaxChain; ++i) {
+    c.wait_base[i] = -1, c.wait_count[i] = 0, c.ready_base[i] = -1;
+  }
   return c;
 }
 

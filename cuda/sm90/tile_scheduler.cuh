@@ -1,12 +1,12 @@
 // Which output tile a linear tile index is, and over which reduction range (the launch's
-// device queue hands the indices out in order, gemm_kernel.cuh). Within a group the tiles come in bands of raster_rows row tiles,
-// rows fastest inside a band, so the CTAs busy at once share a few weight column panels and a
-// few row blocks of A. Column tiles fastest instead made every row tile re-read all of a large
-// expert's weights from HBM (mixtral's gate|up: 235 MB per expert, 16 row tiles). The group
-// offsets live in shared memory: finding a tile's group is a short search there, not a chain
-// of global loads at the start of every tile. Row tiles are numbered without gaps, so that
-// every index up to the last is work (block_m = 64 would otherwise leave every other index
-// empty).
+// device queue hands the indices out in order, gemm_kernel.cuh). Within a group the tiles come
+// in bands of raster_rows row tiles, rows fastest inside a band, so the CTAs busy at once share
+// a few weight column panels and a few row blocks of A. Column tiles fastest instead made every
+// row tile re-read all of a large expert's weights from HBM (mixtral's gate|up: 235 MB per
+// expert, 16 row tiles). The group offsets live in shared memory: finding a tile's group is a
+// short search there, not a chain of global loads at the start of every tile. Row tiles are
+// numbered without gaps, so that every index up to the last is work (block_m = 64 would
+// otherwise leave every other index empty).
 #pragma once
 
 #include <cstdint>
