@@ -42,6 +42,13 @@ inline int RasterRows() {
   return rows;
 }
 
+// The fields that place a GEMM's rows: the groups of `offsets` (null: one group of m rows).
+inline GemmParams RowGroups(const int32_t* offsets, int block_m, int groups, int64_t m) {
+  GemmParams p{};
+  p.offsets = offsets, p.block_m = block_m, p.groups = groups, p.m_total = m;
+  return p;
+}
+
 // Fills in what `p` lacks for a GEMM of `Kind`: the tensor maps (b1 is read only by kSwiGLU
 // and by a K-major B split at p.k_split), tile counts and order.
 template <class Kind>

@@ -40,12 +40,6 @@ struct MlpGrads {
   int ready_base;     // where its per-row-tile counts of dgu start in the ready counts
 };
 
-GemmParams RowGroups(const MlpGrads& g) {
-  GemmParams p{};
-  p.offsets = g.offsets, p.block_m = g.block_m, p.groups = g.groups, p.m_total = g.m;
-  return p;
-}
-
 // The data gradients of the MLPs (routed, and the shared one if count = 2) in one persistent
 // launch: dgu, h = SwiGLU'(dy_r @ w_down^T) (slots 0, 1), then dx_r = dgu @ [w_gate | w_up]^T
 // (slots 2, 3), each of whose tiles waits for the dgu of its rows.
@@ -58,7 +52,7 @@ const char* LaunchDataGrads(const MlpGrads* mlps, int count, int32_t* counter, i
     const int H = static_cast<int>(g.H), I = static_cast<int>(g.I);
     // dh = dy_r @ w_down^T; B(n, k) = w_down[group * I + n, k].
     GemmParams& down = c.gemm[j];
-    down = RowGroups(g);
+    down = sm90::RowGroups(g.offsets, g.block_m, g.groups, g.m);
     down.n = I, down.k = H, down.k_split = H, down.n_split = I;
     down.aux = static_cast<const __nv_bfloat16*>(g.gu), down.out0 = g.dgu, down.out1 = g.h;
     if (auto err = sm90::PrepareGemm<sm90::BwdDown>(down, {g.dy_r, H, g.m},
@@ -68,7 +62,7 @@ const char* LaunchDataGrads(const MlpGrads* mlps, int count, int32_t* counter, i
     // dx_r = [dg | du] @ [w_gate | w_up]^T; B(n, k) = w_gate[group * H + n, k] (k < I), then
     // w_up.
     GemmParams& up = c.gemm[2 + j];
-    up = RowGroups(g);
+    up = sm90::RowGroups(g.offsets, g.block_m, g.groups, g.m);
     up.n = H, up.k = 2 * I, up.k_split = I, up.n_split = H, up.out0 = g.dx_rows;
     if (auto err = sm90::PrepareGemm<sm90::BwdGateUp>(up, {g.dgu, 2 * g.I, g.m},
                                                       {g.w_gate, I, g.groups * g.H},
@@ -90,14 +84,14 @@ const char* LaunchWeightGrads(const MlpGrads* mlps, int count, int32_t* counter,
     const MlpGrads& g = mlps[j];
     const int H = static_cast<int>(g.H), I = static_cast<int>(g.I);
     GemmParams& down = c.gemm[j];
-    down = RowGroups(g);
+    down = sm90::RowGroups(g.offsets, g.block_m, g.groups, g.m);
     down.m = I, down.n = H, down.n_split = H, down.group_stride = g.I * g.H;
     down.out0 = g.dw_down, down.out1 = g.dw_down;
     if (auto err = sm90::PrepareGemm<sm90::BwdWeights>(down, {g.h, I, g.m}, {g.dy_r, H, g.m},
                                                        {}))
       return err;
     GemmParams& up = c.gemm[2 + j];
-    up = RowGroups(g);
+    up = sm90::RowGroups(g.offsets, g.block_m, g.groups, g.m);
     up.m = H, up.n = 2 * I, up.n_split = I, up.group_stride = g.H * g.I;
     up.out0 = g.dw_gate, up.out1 = g.dw_up;
     if (auto err = sm90::PrepareGemm<sm90::BwdWeights>(up, {g.x_rows, H, g.m},
