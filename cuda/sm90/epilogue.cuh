@@ -59,13 +59,14 @@ template <class Pair, class Dst>
 __device__ __forceinline__ void StagePass(bf16_t* stage, int wg_thread, uint32_t barrier,
                                           int64_t row0, int64_t m_end, Pair pair, Dst dst) {
   const int r0 = AccRow(wg_thread), c0 = AccCol(wg_thread);
+  const uint32_t base = SmemAddr(stage);
   NamedBarrierSync(barrier, 128);  // the warpgroup's reads of the previous pass are done
   CUTE_UNROLL
   for (int chunk = 0; chunk < 8; ++chunk) {
     CUTE_UNROLL
     for (int half = 0; half < 2; ++half) {
       const int r = r0 + 8 * half;
-      *reinterpret_cast<uint32_t*>(stage + StageIndex(r, chunk) + c0) = pair(4 * chunk + 2 * half);
+      StoreShared32(base + 2 * (StageIndex(r, chunk) + c0), pair(4 * chunk + 2 * half));
     }
   }
   NamedBarrierSync(barrier, 128);
@@ -76,8 +77,8 @@ __device__ __forceinline__ void StagePass(bf16_t* stage, int wg_thread, uint32_t
   for (int q = 0; q < kWarpgroupRows / 16; ++q) {
     const int r = r1 + 16 * q;
     if (row0 + r < m_end)
-      *reinterpret_cast<uint4*>(out.p + (row0 + r) * out.pitch) =
-          *reinterpret_cast<const uint4*>(stage + StageIndex(r, chunk));
+      StoreGlobal128(out.p + (row0 + r) * out.pitch,
+                     LoadShared128(base + 2 * StageIndex(r, chunk)));
   }
 }
 

@@ -103,6 +103,29 @@ __device__ __forceinline__ void WaitAtLeast(const int32_t* flag, int32_t target)
   }
 }
 
+// Shared-memory accesses by 32-bit shared address. The GEMM's shared memory is reached through
+// a pointer realigned by integer arithmetic, which loses its address space: plain C++ accesses
+// through it compile to generic LD/ST.
+__device__ __forceinline__ void StoreShared32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint4 LoadShared128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+
+// A 16-byte store to global memory (a generic pointer into it), without generic addressing.
+__device__ __forceinline__ void StoreGlobal128(void* p, uint4 v) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(__cvta_generic_to_global(p)),
+               "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
 // bar.sync on a named barrier among `threads` threads (a multiple of 32).
 __device__ __forceinline__ void NamedBarrierSync(uint32_t id, uint32_t threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
