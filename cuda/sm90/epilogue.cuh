@@ -1,7 +1,6 @@
-// GEMM epilogues. bf16 outputs go through a swizzled shared-memory staging tile to coalesced
-// 16-byte global stores (each consumer warpgroup stages and stores its own 64 rows), and the
-// SwiGLU backward brings its gu in through it the same way; the f32 output stores straight
-// from registers.
+// GEMM epilogues. Outputs (bf16 and f32) go through a swizzled shared-memory staging tile to
+// coalesced 16-byte global stores (each consumer warpgroup stages and stores its own 64 rows),
+// and the SwiGLU backward brings its gu in through it the same way.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -244,30 +243,62 @@ __device__ __forceinline__ void SwiGLUBwdStaged(const GemmParams& p, const GemmT
   }
 }
 
+// f32 tiles (kStoreF32) through the staging tile, 32 columns (128 bytes of a row) a pass, out
+// with coalesced 16-byte stores.
+//
+// NOTES: from registers, a warp's 8-byte stores wrote 32 bytes in each of 8 rows; dx_r, the
+// backward's largest output (qwen3_30b: 1 GB), is written by this epilogue.
+template <class Accum>
+__device__ __forceinline__ void StageAndStoreF32(const GemmParams& p, const GemmTile& tile,
+                                                 GemmSmem& smem, int thread, const Accum& acc,
+                                                 int64_t group_base) {
+  constexpr int kCols = 32;
+  const int wg = thread / 128, wg_thread = thread % 128;
+  const uint32_t barrier = 2 + wg;
+  const uint32_t base = SmemAddr(smem.stage[wg]);
+  const int64_t row0 = tile.m0 + wg * kWarpgroupRows;
+  float* out = static_cast<float*>(p.out0) + group_base;
+  // Byte offset of 16-byte chunk q (4 columns) of staging row r. Pairs of chunks are swizzled
+  // by r % 4: the four rows of a half-warp's 8-byte stores (32 bytes each) meet distinct banks.
+  auto at = [](int r, int q) {
+    return static_cast<uint32_t>(r * 4 * kCols + ((((q >> 1) ^ (r & 3)) << 1 | (q & 1)) << 4));
+  };
+  const int r0 = AccRow(wg_thread), c0 = AccCol(wg_thread);
+  const int chunk = wg_thread % 8, r1 = wg_thread / 8;  // the copy: chunk of rows r1 + 16 q
+  CUTE_UNROLL
+  for (int pass = 0; pass < GemmConfig::kBlockN / kCols; ++pass) {
+    NamedBarrierSync(barrier, 128);  // the warpgroup's copies out of the last pass are done
+    CUTE_UNROLL
+    for (int j = 0; j < 8; ++j) {  // this thread's values v, v + 1 of the pass
+      const int v = 16 * pass + 2 * j;
+      const int col = AccColStep(v) - kCols * pass + c0;  // of the pass
+      StoreShared64(base + at(r0 + AccRowStep(v), col / 4) + (col % 4) * 4, acc(v), acc(v + 1));
+    }
+    NamedBarrierSync(barrier, 128);
+    const int64_t col = int64_t{tile.n_tile} * GemmConfig::kBlockN + kCols * pass + 4 * chunk;
+    if (col < p.n) {
+      CUTE_UNROLL
+      for (int q = 0; q < kWarpgroupRows / 16; ++q) {
+        const int r = r1 + 16 * q;
+        if (row0 + r < tile.m_end)
+          StoreGlobal128(out + (row0 + r) * p.n_split + col, LoadShared128(base + at(r, chunk)));
+      }
+    }
+  }
+}
+
 // thread: index among the 256 consumer threads; acc: its (128, 256) tile fragment.
 template <class Kind, class Accum>
 __device__ __forceinline__ void StoreTile(const GemmParams& p, const GemmTile& tile,
                                           GemmSmem& smem, int thread, const Accum& acc) {
   using namespace cute;
-  using C = GemmConfig;
   constexpr Epilogue kEpi = Kind::kEpi;
   static_assert(decltype(size(acc))::value == 128, "one 64 x 256 wgmma atom per thread");
-  const int wg_thread = thread % 128;
-  // This thread's first row and column of the tile; value v adds AccRowStep / AccColStep.
-  const int64_t row_base = tile.m0 + thread / 128 * kWarpgroupRows + AccRow(wg_thread);
-  const int col_base = tile.n_tile * C::kBlockN + AccCol(wg_thread);
   const int64_t group_base =
       Kind::kSched == Schedule::kGroupedK ? tile.group * p.group_stride : 0;
 
   if constexpr (kEpi == Epilogue::kStoreF32) {
-    float* out = static_cast<float*>(p.out0) + group_base;
-    CUTE_UNROLL
-    for (int v = 0; v < 128; v += 2) {  // values v, v + 1: columns n, n + 1 of one row
-      const int64_t row = row_base + AccRowStep(v);
-      const int col = col_base + AccColStep(v);
-      if (row < tile.m_end && col < p.n)
-        *reinterpret_cast<float2*>(out + row * p.n_split + col) = make_float2(acc(v), acc(v + 1));
-    }
+    StageAndStoreF32(p, tile, smem, thread, acc, group_base);
   } else if constexpr (kEpi == Epilogue::kSwiGLUBwd) {
     SwiGLUBwdStaged(p, tile, smem, thread, acc);
   } else {
