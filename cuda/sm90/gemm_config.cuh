@@ -78,6 +78,10 @@ struct GemmParams {
   CUtensorMap b1;           // kSwiGLU: w_up; K-major B: the matrix for k >= k_split
   const int32_t* offsets;   // (groups + 1) first routed row of each group, multiples of
                             // block_m; null: one group of m_total rows
+  // kGroupedK with offsets: each routed row's token, -1 for the padding rows that end each
+  // group (fewer than block_m): a group's reduction stops at its last used row, rounded up to
+  // kBlockK, instead of at the padded end. Null: the whole padded range.
+  const int32_t* row_tokens;
   int block_m;              // kRowsByGroup with offsets: 128, or 64, when a group's last tile
                             // may be a half tile (its rows past 64 belong to the next group)
   int groups;

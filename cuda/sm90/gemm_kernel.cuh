@@ -73,10 +73,14 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
   const int warpgroup = threadIdx.x / 128;
   // The slots with offsets share them (the host checks): one copy in shared memory.
   const int32_t* group_offsets = nullptr;
+  const int32_t* row_tokens = nullptr;
   int groups = 0;
   CUTE_UNROLL
   for (int i = 0; i < kSlots; ++i) {
-    if (c.gemm[i].offsets) group_offsets = c.gemm[i].offsets, groups = c.gemm[i].groups;
+    if (c.gemm[i].offsets) {
+      group_offsets = c.gemm[i].offsets, groups = c.gemm[i].groups;
+      row_tokens = c.gemm[i].row_tokens;
+    }
   }
   const int32_t* tile_start = nullptr;
   if (group_offsets) {
@@ -86,6 +90,9 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
       if (threadIdx.x / 32 == 1) ScanGroupTiles(smem.offsets, groups, threadIdx.x % 32,
                                                 smem.tile_start);
       tile_start = smem.tile_start;
+    } else if (row_tokens) {
+      UsedRowEnds(smem.offsets, row_tokens, groups, threadIdx.x / 32, C::kThreads / 32,
+                  threadIdx.x % 32, smem.used_end);
     }
   }
   if (threadIdx.x == 0) {
@@ -125,6 +132,8 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     const GemmParams& p = c.gemm[decltype(slot)::value];
     return ScheduleTile<kSched>(p, p.offsets ? smem.offsets : nullptr,
                                 p.offsets ? tile_start : nullptr,
+                                kSched == Schedule::kGroupedK && p.offsets && p.row_tokens
+                                    ? smem.used_end : nullptr,
                                 linear - cs.first_tile[decltype(slot)::value]);
   };
 

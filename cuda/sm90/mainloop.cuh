@@ -54,6 +54,7 @@ struct alignas(1024) GemmSmem {
   bf16_t stage[GemmConfig::kConsumerWarpgroups][kWarpgroupRows * kStageCols];
   int32_t offsets[GemmConfig::kMaxGroups + 1];     // the groups' first rows
   int32_t tile_start[GemmConfig::kMaxGroups + 1];  // kRowsByGroup: the groups' first tiles
+  int32_t used_end[GemmConfig::kMaxGroups];        // kGroupedK: the groups' used rows' ends
   uint64_t full[GemmConfig::kStages];   // TMA bytes landed
   uint64_t empty[GemmConfig::kStages];  // both consumer warpgroups done reading
 };

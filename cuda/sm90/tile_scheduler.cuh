@@ -76,6 +76,23 @@ __device__ __forceinline__ void ScanGroupTiles(const int32_t* offsets, int group
   if (lane == 31) tile_start[groups] = inclusive;
 }
 
+// used_end[g] = the end of group g's used rows (its first padding row, or its end): rows of
+// a group are its routes first, then fewer than block_m <= 128 padding rows (row_tokens -1), so
+// the last 128 rows hold the boundary. One warp per group; `warp` of `warps`.
+__device__ __forceinline__ void UsedRowEnds(const int32_t* offsets, const int32_t* row_tokens,
+                                            int groups, int warp, int warps, int lane,
+                                            int32_t* used_end) {
+  for (int g = warp; g < groups; g += warps) {
+    const int begin = offsets[g], end = offsets[g + 1];
+    int last = begin;
+    for (int r = max(begin, end - 128) + lane; r < end; r += 32) {
+      if (row_tokens[r] >= 0) last = r + 1;
+    }
+    last = __reduce_max_sync(0xffffffffu, last);
+    if (lane == 0) used_end[g] = last;
+  }
+}
+
 // The (row tile, column tile) of tile `local` of a group with `rows` row tiles and `cols`
 // column tiles: bands of `band` row tiles, rows fastest within a band.
 struct RasterPos {
@@ -91,10 +108,12 @@ __device__ __forceinline__ RasterPos Raster(int64_t local, int64_t rows, int col
 }
 
 // offsets, tile_start: the groups' offsets and ScanGroupTiles in shared memory, or null (one
-// group). `linear` < TileCount: `valid` is then always true (kept from the grid-stride walk).
+// group); used_end (kGroupedK): UsedRowEnds in shared memory, or null (the padded ends).
+// `linear` < TileCount: `valid` is then always true (kept from the grid-stride walk).
 template <Schedule kSched>
 __device__ __forceinline__ GemmTile ScheduleTile(const GemmParams& p, const int32_t* offsets,
-                                                 const int32_t* tile_start, int64_t linear) {
+                                                 const int32_t* tile_start,
+                                                 const int32_t* used_end, int64_t linear) {
   using C = GemmConfig;
   GemmTile t;
   t.valid = true;
@@ -139,7 +158,8 @@ __device__ __forceinline__ GemmTile ScheduleTile(const GemmParams& p, const int3
     t.m0 = pos.row * C::kBlockM;
     t.m_end = p.m;
     t.k_begin = offsets ? offsets[t.group] : 0;
-    const int64_t k_end = offsets ? offsets[t.group + 1] : p.m_total;
+    const int64_t k_end = used_end ? used_end[t.group]
+                          : offsets ? offsets[t.group + 1] : p.m_total;
     t.num_k = static_cast<int>((k_end - t.k_begin + C::kBlockK - 1) / C::kBlockK);
   }
   return t;
