@@ -50,18 +50,20 @@ __device__ __forceinline__ bool BarrierTryWait(uint32_t addr, uint32_t parity) {
   return done != 0;
 }
 
-// Waits until the phase of `bar` with parity `parity` has completed.
+// NOTES: a legitimate wait lasts microseconds (milliseconds under compute-sanitizer); one of
+// four seconds is a pipeline bug, and trapping turns a hung GPU into an error that XLA reports.
+constexpr uint64_t kWaitBoundNs = 4'000'000'000ull;
+
+// Waits until the phase of `bar` with parity `parity` has completed; traps after kWaitBoundNs.
 __device__ __forceinline__ void BarrierWait(uint64_t* bar, uint32_t parity) {
   const uint32_t addr = SmemAddr(bar);
-  // NOTES: a legitimate wait lasts microseconds (milliseconds under compute-sanitizer); one of
-  // four seconds is a pipeline bug, and trapping turns a hung GPU into an error that XLA reports.
   uint64_t start = 0;
   for (uint32_t spins = 1;; ++spins) {
     if (BarrierTryWait(addr, parity)) return;
     if (spins % 1024 == 0) {
       const uint64_t now = GlobalTimerNs();
       if (start == 0) start = now;
-      else if (now - start > 4'000'000'000ull) __trap();
+      else if (now - start > kWaitBoundNs) __trap();
     }
   }
 }
@@ -99,7 +101,7 @@ __device__ __forceinline__ void WaitAtLeast(const int32_t* flag, int32_t target)
   const uint64_t start = GlobalTimerNs();
   while (LoadAcquire(flag) < target) {
     __nanosleep(128);
-    if (GlobalTimerNs() - start > 4'000'000'000ull) __trap();
+    if (GlobalTimerNs() - start > kWaitBoundNs) __trap();
   }
 }
 
