@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   ChainSmem& cs = *reinterpret_cast<ChainSmem*>(&smem + 1);
   const int warpgroup = threadIdx.x / 128;
-  // The slots with offsets share them (the host checks): one copy in shared memory.
+  // The slots with offsets share them (LaunchQueued checks): one copy in shared memory.
   const int32_t* group_offsets = nullptr;
   const int32_t* row_tokens = nullptr;
   int groups = 0;

@@ -93,6 +93,16 @@ const char* LaunchChain(const ChainParams& c, int64_t ctas, cudaStream_t stream)
 // The prepared GEMMs of `c` on a persistent grid that takes its tiles from c.queue.
 template <class Kind0, class Kind1>
 const char* LaunchQueued(const ChainParams& c, cudaStream_t stream) {
+  // The kernel keeps one copy of the row groups (offsets, and the used rows' ends found from
+  // row_tokens) in shared memory: the slots that have row groups must have the same ones.
+  const GemmParams* grouped = nullptr;
+  for (const GemmParams& p : c.gemm) {
+    if (p.offsets == nullptr) continue;
+    if (grouped && (p.offsets != grouped->offsets || p.groups != grouped->groups ||
+                    p.row_tokens != grouped->row_tokens))
+      return "the GEMMs of one launch with row groups must share them";
+    grouped = &p;
+  }
   int64_t tiles = 0;
   for (int i = 0; i < kMaxChain; ++i) tiles += c.gemm[i].tiles;
   if (tiles == 0) return nullptr;
