@@ -23,7 +23,6 @@ struct GemmTile {
   int64_t k_begin;  // kGroupedK: first routed row of the group
   int num_k;        // k-steps of kBlockK
   int row_tile;     // kRowsByGroup: the row tile among all groups' (ScanGroupTiles numbering)
-  bool valid;       // false: past the last tile
   bool half;        // only rows [m0, m0 + 64) are the group's: the second warpgroup idles
 };
 
@@ -109,22 +108,19 @@ __device__ __forceinline__ RasterPos Raster(int64_t local, int64_t rows, int col
 
 // offsets, tile_start: the groups' offsets and ScanGroupTiles in shared memory, or null (one
 // group); used_end (kGroupedK): UsedRowEnds in shared memory, or null (the padded ends).
-// `linear` < TileCount: `valid` is then always true (kept from the grid-stride walk).
+// `linear` < TileCount (the launch's queue hands out no other).
 template <Schedule kSched>
 __device__ __forceinline__ GemmTile ScheduleTile(const GemmParams& p, const int32_t* offsets,
                                                  const int32_t* tile_start,
                                                  const int32_t* used_end, int64_t linear) {
   using C = GemmConfig;
   GemmTile t;
-  t.valid = true;
   t.half = false;
   t.k_begin = 0;
   t.group = 0;
   if constexpr (kSched == Schedule::kRowsByGroup) {
     int64_t first = 0, rows = (p.m_total + C::kBlockM - 1) / C::kBlockM;
     if (offsets) {
-      t.valid = linear < int64_t{tile_start[p.groups]} * p.n_tiles;
-      if (!t.valid) return t;
       // The last group whose first tile is at or before this one (empty groups share their
       // first tile with the next group).
       int lo = 0, hi = p.groups - 1;
@@ -135,9 +131,6 @@ __device__ __forceinline__ GemmTile ScheduleTile(const GemmParams& p, const int3
       t.group = lo;
       first = tile_start[lo];
       rows = tile_start[lo + 1] - first;
-    } else {
-      t.valid = linear < rows * p.n_tiles;
-      if (!t.valid) return t;
     }
     const RasterPos pos = Raster(linear - first * p.n_tiles, rows, p.n_tiles, p.raster_rows);
     t.n_tile = pos.col;
@@ -148,8 +141,6 @@ __device__ __forceinline__ GemmTile ScheduleTile(const GemmParams& p, const int3
     t.num_k = p.k / C::kBlockK;
   } else {
     const int64_t per_group = int64_t{p.m_tiles} * p.n_tiles;
-    t.valid = linear < int64_t{p.groups} * per_group;
-    if (!t.valid) return t;
     t.group = static_cast<int>(linear / per_group);
     const RasterPos pos = Raster(linear - t.group * per_group, p.m_tiles, p.n_tiles,
                                  p.raster_rows);
