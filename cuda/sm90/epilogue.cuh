@@ -1,6 +1,7 @@
 // GEMM epilogues. Outputs (bf16 and f32) go through a swizzled shared-memory staging tile to
 // coalesced 16-byte global stores (each consumer warpgroup stages and stores its own 64 rows),
-// and the SwiGLU backward brings its gu in through it the same way.
+// and the SwiGLU backward brings its gu in through it the same way; the weight gradients stage
+// their whole output tile for TMA stores that the consumers do not wait for.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -83,10 +84,9 @@ __device__ __forceinline__ void StagePass(bf16_t* stage, int wg_thread, uint32_t
 }
 
 // bf16 tiles (kStore, kSwiGLU) through the staging tile, 64 columns at a time.
-template <class Kind, class Accum>
+template <class Kind, class Smem, class Accum>
 __device__ __forceinline__ void StageAndStore(const GemmParams& p, const GemmTile& tile,
-                                              GemmSmem& smem, int thread, const Accum& acc,
-                                              int64_t group_base) {
+                                              Smem& smem, int thread, const Accum& acc) {
   using C = GemmConfig;
   constexpr Epilogue kEpi = Kind::kEpi;
   const int wg = thread / 128, wg_thread = thread % 128;
@@ -95,8 +95,8 @@ __device__ __forceinline__ void StageAndStore(const GemmParams& p, const GemmTil
   const int64_t row0 = tile.m0 + wg * kWarpgroupRows;
   if constexpr (kEpi == Epilogue::kStore) {
     const int64_t col0 = int64_t{tile.n_tile} * C::kBlockN;
-    auto* out0 = static_cast<__nv_bfloat16*>(p.out0) + group_base;
-    auto* out1 = static_cast<__nv_bfloat16*>(p.out1) + group_base;
+    auto* out0 = static_cast<__nv_bfloat16*>(p.out0);
+    auto* out1 = static_cast<__nv_bfloat16*>(p.out1);
     CUTE_UNROLL
     for (int pass = 0; pass < C::kBlockN / kStageCols; ++pass) {
       StagePass(stage, wg_thread, barrier, row0, tile.m_end,
@@ -155,9 +155,9 @@ __device__ __forceinline__ void StageAndStore(const GemmParams& p, const GemmTil
 // NOTES: done from registers, with 4-byte loads and stores at the accumulator positions, this
 // epilogue took twice the mainloop's time on qwen3_30b (ncu: 28% SM throughput, 70% of the
 // samples outside the mainloop, waiting on gu).
-template <class Accum>
+template <class Smem, class Accum>
 __device__ __forceinline__ void SwiGLUBwdStaged(const GemmParams& p, const GemmTile& tile,
-                                                GemmSmem& smem, int thread, const Accum& acc) {
+                                                Smem& smem, int thread, const Accum& acc) {
   constexpr int kCols = 32;  // g and u, 64 rows x 32 columns each, fill the 8 KB staging tile
   constexpr int kPasses = GemmConfig::kBlockN / kCols;
   const int wg = thread / 128, wg_thread = thread % 128;
@@ -248,16 +248,15 @@ __device__ __forceinline__ void SwiGLUBwdStaged(const GemmParams& p, const GemmT
 //
 // NOTES: from registers, a warp's 8-byte stores wrote 32 bytes in each of 8 rows; dx_r, the
 // backward's largest output (qwen3_30b: 1 GB), is written by this epilogue.
-template <class Accum>
+template <class Smem, class Accum>
 __device__ __forceinline__ void StageAndStoreF32(const GemmParams& p, const GemmTile& tile,
-                                                 GemmSmem& smem, int thread, const Accum& acc,
-                                                 int64_t group_base) {
+                                                 Smem& smem, int thread, const Accum& acc) {
   constexpr int kCols = 32;
   const int wg = thread / 128, wg_thread = thread % 128;
   const uint32_t barrier = 2 + wg;
   const uint32_t base = SmemAddr(smem.stage[wg]);
   const int64_t row0 = tile.m0 + wg * kWarpgroupRows;
-  float* out = static_cast<float*>(p.out0) + group_base;
+  float* out = static_cast<float*>(p.out0);
   // Byte offset of 16-byte chunk q (4 columns) of staging row r. Pairs of chunks are swizzled
   // by r % 4: the four rows of a half-warp's 8-byte stores (32 bytes each) meet distinct banks.
   auto at = [](int r, int q) {
@@ -287,22 +286,69 @@ __device__ __forceinline__ void StageAndStoreF32(const GemmParams& p, const Gemm
   }
 }
 
+// kTmaStore (the weight gradients): the warpgroup's 64-row slab of the tile, rounded to bf16,
+// into its staging as eight (32 columns, 64 rows) boxes laid out as TMA writes them with the
+// 64-byte swizzle; one thread then hands all eight to TMA stores, and the warpgroup goes on to
+// its next tile without waiting for them (it waits, at its next epilogue, until they have read
+// the staging). A slab at or past m_end (rows past the gradient's m, the next group's) has
+// nothing to store; rows and columns past the tensor are clipped by TMA.
+template <class Kind, class Smem, class Accum>
+__device__ __forceinline__ void StoreTileTma(const GemmParams& p, const GemmTile& tile,
+                                             Smem& smem, int thread, const Accum& acc) {
+  using C = GemmConfig;
+  constexpr int kBoxes = C::kBlockN / kTmaStoreCols;
+  constexpr uint32_t kBoxBytes = kWarpgroupRows * kTmaStoreCols * 2;  // 4 KB, 512-byte aligned
+  static_assert(sizeof(smem.stage[0]) == kBoxes * kBoxBytes, "a warpgroup's whole slab");
+  const int wg = thread / 128, wg_thread = thread % 128;
+  const uint32_t barrier = 2 + wg;
+  const int64_t row0 = tile.m0 + wg * kWarpgroupRows;
+  if (row0 >= tile.m_end) return;  // uniform over the warpgroup
+  const uint32_t base = SmemAddr(smem.stage[wg]);
+  const bool storer = wg_thread == 0;
+  // Value v of this thread goes to box AccColStep(v) / 32 at row r0 + AccRowStep(v), 16-byte
+  // chunk (AccColStep(v) % 32) / 8 XORed with (row / 2) % 4 (CU_TENSOR_MAP_SWIZZLE_64B), byte
+  // 2 c0 of it. A warp's 4-byte stores meet 32 distinct banks.
+  const int r0 = AccRow(wg_thread), c0 = AccCol(wg_thread);
+  auto at = [&](int v) {
+    const int r = r0 + AccRowStep(v), chunk = AccColStep(v) % kTmaStoreCols / 8;
+    return AccColStep(v) / kTmaStoreCols * kBoxBytes +
+           static_cast<uint32_t>(r * 64 + (((chunk ^ (r >> 1)) & 3) << 4) + 2 * c0);
+  };
+  if (storer) BulkWaitRead<0>();  // the last tile's stores have read the staging
+  NamedBarrierSync(barrier, 128);
+  CUTE_UNROLL
+  for (int v = 0; v < 128; v += 2) StoreShared32(base + at(v), PackBf16(acc(v), acc(v + 1)));
+  FenceProxyAsyncShared();  // the writes, before the async proxy reads them
+  NamedBarrierSync(barrier, 128);
+  if (storer) {
+    const int32_t row = static_cast<int32_t>(int64_t{tile.group} * p.m + row0);
+    CUTE_UNROLL
+    for (int b = 0; b < kBoxes; ++b) {
+      // Boxes never straddle n_split (a multiple of 64).
+      const int32_t col = tile.n_tile * C::kBlockN + kTmaStoreCols * b;
+      if (col < p.n_split) TmaStore2d(&p.o0, base + b * kBoxBytes, col, row);
+      else if (col < p.n) TmaStore2d(&p.o1, base + b * kBoxBytes, col - p.n_split, row);
+    }
+    BulkCommitGroup();
+  }
+}
+
 // thread: index among the 256 consumer threads; acc: its (128, 256) tile fragment.
-template <class Kind, class Accum>
+template <class Kind, class Smem, class Accum>
 __device__ __forceinline__ void StoreTile(const GemmParams& p, const GemmTile& tile,
-                                          GemmSmem& smem, int thread, const Accum& acc) {
+                                          Smem& smem, int thread, const Accum& acc) {
   using namespace cute;
   constexpr Epilogue kEpi = Kind::kEpi;
   static_assert(decltype(size(acc))::value == 128, "one 64 x 256 wgmma atom per thread");
-  const int64_t group_base =
-      Kind::kSched == Schedule::kGroupedK ? tile.group * p.group_stride : 0;
-
-  if constexpr (kEpi == Epilogue::kStoreF32) {
-    StageAndStoreF32(p, tile, smem, thread, acc, group_base);
+  if constexpr (Kind::kTmaStore) {
+    StoreTileTma<Kind>(p, tile, smem, thread, acc);
+  } else if constexpr (kEpi == Epilogue::kStoreF32) {
+    StageAndStoreF32(p, tile, smem, thread, acc);
   } else if constexpr (kEpi == Epilogue::kSwiGLUBwd) {
     SwiGLUBwdStaged(p, tile, smem, thread, acc);
   } else {
-    StageAndStore<Kind>(p, tile, smem, thread, acc, group_base);
+    static_assert(Kind::kSched == Schedule::kRowsByGroup, "grouped outputs are TMA-stored");
+    StageAndStore<Kind>(p, tile, smem, thread, acc);
   }
 }
 

@@ -13,11 +13,11 @@ namespace mok::sm90 {
 struct GemmConfig {
   // NOTES: a 128 x 256 tile over two consumer warpgroups (64 x 256 each, one
   // wgmma.m64n256k16 per k16 step) keeps 128 f32 accumulators per thread and reads 48 KB of
-  // shared memory per 64-deep k-step; four stages (192 KB) cover L2 latency.
+  // shared memory per 64-deep k-step; four stages (192 KB) cover L2 latency (the weight
+  // gradients keep three: GemmKind::kStages).
   static constexpr int kBlockM = 128;
   static constexpr int kBlockN = 256;
   static constexpr int kBlockK = 64;
-  static constexpr int kStages = 4;
   // Groups of a kRowsByGroup or kGroupedK launch, whose offsets are copied to shared memory.
   static constexpr int kMaxGroups = 512;
   static constexpr int kConsumerWarpgroups = 2;
@@ -68,6 +68,16 @@ struct GemmKind {
   static constexpr Schedule kSched = kSched_;
   static constexpr bool kKMajorA = kMajorA_ == cute::GMMA::Major::K;
   static constexpr bool kKMajorB = kMajorB_ == cute::GMMA::Major::K;
+  // The weight gradients stage their whole bf16 output tile (64 KB) in shared memory, which
+  // TMA stores while the consumers go on to the next tile, and keep three pipeline stages to
+  // make room for it; the others stage 64 columns at a time beside four stages.
+  //
+  // NOTES: a weight-gradient tile has 2 to 6 k-steps and a 64 KB output tile: with 16-byte
+  // st.global stores (or TMA stores from two 4 KB halves, which the warpgroup waits on in
+  // turn), its epilogue was a third of its time. Three stages everywhere made the forward
+  // slower (H200, 2026-11-29: qwen3_30b 2.61 -> 2.83 ms).
+  static constexpr bool kTmaStore = kEpi_ == Epilogue::kStore && kSched_ == Schedule::kGroupedK;
+  static constexpr int kStages = kTmaStore ? 3 : 4;
 };
 
 // Host-built arguments of one grouped GEMM launch.
@@ -76,6 +86,10 @@ struct GemmParams {
   CUtensorMap a;
   CUtensorMap b0;
   CUtensorMap b1;           // kSwiGLU: w_up; K-major B: the matrix for k >= k_split
+  // kTmaStore: out0 and out1 for TMA stores of (32 columns, 64 rows) boxes, all groups' rows
+  // group after group.
+  CUtensorMap o0;
+  CUtensorMap o1;
   const int32_t* offsets;   // (groups + 1) first routed row of each group, multiples of
                             // block_m; null: one group of m_total rows
   // kGroupedK with offsets: each routed row's token, -1 for the padding rows that end each
@@ -95,7 +109,8 @@ struct GemmParams {
   int n_tiles, m_tiles;
   int raster_rows;          // row tiles per band of the tile order (tile_scheduler.cuh)
   int64_t tiles;            // an upper bound on the linear tiles (LinearTiles): sizes the grid
-  int64_t group_stride;     // kGroupedK: elements between consecutive groups' outputs
+  int64_t group_stride;     // kGroupedK: elements between consecutive groups' outputs (m
+                            // n_split: packed, one tensor map covers them all)
   void* out0;
   void* out1;
   const __nv_bfloat16* aux; // kSwiGLUBwd: gu

@@ -26,7 +26,8 @@ struct ChainSmem {
   uint64_t slot_empty[kTileSlots];    // all 256 consumer threads read it
 };
 
-constexpr size_t kGemmSmemBytes = sizeof(GemmSmem) + sizeof(ChainSmem) + 1024;  // + alignment
+template <class Kind>
+constexpr size_t kGemmSmemBytes = sizeof(GemmSmemOf<Kind>) + sizeof(ChainSmem) + 1024;  // + align
 
 // Which slot of the chain linear tile `linear` belongs to.
 __device__ __forceinline__ int ChainIndex(const ChainSmem& cs, int slots, int64_t linear) {
@@ -63,11 +64,15 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
   static_assert(Kind0::kMajorA == Kind1::kMajorA && Kind0::kMajorB == Kind1::kMajorB &&
                     Kind0::kSched == Kind1::kSched,
                 "the GEMMs of a chain share shared-memory layouts, MMA and schedule");
+  static_assert(Kind0::kTmaStore == Kind1::kTmaStore && Kind0::kStages == Kind1::kStages,
+                "the GEMMs of a chain share the pipeline and staging");
+  static_assert(kGemmSmemBytes<Kind0> <= 227 * 1024, "past an H100/H200 CTA's shared memory");
   using C = GemmConfig;
+  using Smem = GemmSmemOf<Kind0>;
   constexpr Schedule kSched = Kind0::kSched;
   extern __shared__ uint8_t smem_raw[];
   // 128-byte swizzling is a function of address bits 4-9: stages start 1024-byte aligned.
-  GemmSmem& smem = *reinterpret_cast<GemmSmem*>(
+  Smem& smem = *reinterpret_cast<Smem*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   ChainSmem& cs = *reinterpret_cast<ChainSmem*>(&smem + 1);
   const int warpgroup = threadIdx.x / 128;
@@ -105,8 +110,12 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
       if ((Kind0::kKMajorB && p.k_split < p.k) ||
           (i < 2 ? Kind0::kEpi : Kind1::kEpi) == Epilogue::kSwiGLU)
         PrefetchTmaDescriptor(&p.b1);
+      if (Kind0::kTmaStore) {
+        PrefetchTmaDescriptor(&p.o0);
+        if (p.n > p.n_split) PrefetchTmaDescriptor(&p.o1);
+      }
     }
-    for (int s = 0; s < C::kStages; ++s) {
+    for (int s = 0; s < Kind0::kStages; ++s) {
       BarrierInit(&smem.full[s], 1);
       BarrierInit(&smem.empty[s], C::kConsumerWarpgroups);
     }
@@ -186,7 +195,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
       WithSlot<kSlots>(i, [&](auto s) __attribute__((always_inline)) {
         constexpr int kSlot = decltype(s)::value;
         if (!idle) StoreTile<SlotKind<Kind0, Kind1, kSlot>>(c.gemm[kSlot], tile, smem, thread, acc);
-        if (c.ready_base[kSlot] >= 0) {
+        if (!Kind0::kTmaStore && c.ready_base[kSlot] >= 0) {
           // Another slot reads these rows with TMA: publish them once all 256 threads' stores
           // are visible to the async proxy at GPU scope.
           FenceProxyAsyncGlobal();
@@ -196,6 +205,8 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
         }
       });
     }
+    // The staging must outlive the last TMA stores' reads of it.
+    if (Kind0::kTmaStore && thread % 128 == 0) BulkWaitAll();
   }
 #endif
 }

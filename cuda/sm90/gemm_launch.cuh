@@ -60,6 +60,17 @@ const char* PrepareGemm(GemmParams& p, const Matrix& a, const Matrix& b0, const 
       (uses_b1 && !Describe(&p.b1, b1, Kind::kKMajorB, C::kBlockN))) {
     return "cuTensorMapEncodeTiled refused a GEMM operand";
   }
+  if constexpr (Kind::kTmaStore) {
+    // One map over all groups' outputs, group g's rows from g * m on.
+    if (p.group_stride != int64_t{p.m} * p.n_split) return "grouped outputs must be packed";
+    const int64_t rows = int64_t{p.groups} * p.m;
+    auto out_map = [&](CUtensorMap* map, const void* base) {
+      return MakeTensorMap(map, base, p.n_split, rows, kTmaStoreCols, kWarpgroupRows,
+                           CU_TENSOR_MAP_SWIZZLE_64B);
+    };
+    if (!out_map(&p.o0, p.out0) || (p.n > p.n_split && !out_map(&p.o1, p.out1)))
+      return "cuTensorMapEncodeTiled refused a GEMM output";
+  }
   const int cols_per_tile = Kind::kEpi == Epilogue::kSwiGLU ? C::kBlockN / 2 : C::kBlockN;
   p.n_tiles = static_cast<int>(CeilDiv(p.n, cols_per_tile));
   if (Kind::kSched == Schedule::kGroupedK) p.m_tiles = static_cast<int>(CeilDiv(p.m, C::kBlockM));
@@ -80,13 +91,18 @@ inline const char* SmCount(int* sms) {
 // shared memory allows no second one).
 template <class Kind0, class Kind1, int kSlots>
 const char* LaunchChain(const ChainParams& c, int64_t ctas, cudaStream_t stream) {
+  constexpr size_t kSmem = kGemmSmemBytes<Kind0>;
+  for (int i = 0; i < kSlots; ++i) {
+    if (Kind0::kTmaStore && c.ready_base[i] >= 0)
+      return "a TMA-stored GEMM's rows cannot be waited on within its launch";
+  }
   if (auto err = Check(AllowSharedMemory(
           reinterpret_cast<const void*>(GemmChainKernel<Kind0, Kind1, kSlots>),
-          static_cast<int>(kGemmSmemBytes))))
+          static_cast<int>(kSmem))))
     return err;
   if (ctas == 0) return nullptr;
   GemmChainKernel<Kind0, Kind1, kSlots>
-      <<<static_cast<unsigned>(ctas), GemmConfig::kThreads, kGemmSmemBytes, stream>>>(c);
+      <<<static_cast<unsigned>(ctas), GemmConfig::kThreads, kSmem, stream>>>(c);
   return Check(cudaGetLastError());
 }
 

@@ -14,56 +14,60 @@ namespace mok::sm90 {
 
 using bf16_t = cute::bfloat16_t;
 
-template <int kRows>
+template <int kRows, int kStages>
 using StagedK = decltype(cute::tile_to_shape(
     cute::GMMA::Layout_K_SW128_Atom<bf16_t>{},
-    cute::Shape<cute::Int<kRows>, cute::Int<GemmConfig::kBlockK>,
-                cute::Int<GemmConfig::kStages>>{}));
+    cute::Shape<cute::Int<kRows>, cute::Int<GemmConfig::kBlockK>, cute::Int<kStages>>{}));
 // MN-major operands: atoms ordered K first, so that each group of 64 MN-columns is one
 // contiguous (64 MN, 64 K) TMA box of 8 KB.
-template <int kRows>
+template <int kRows, int kStages>
 using StagedMN = decltype(cute::tile_to_shape(
     cute::GMMA::Layout_MN_SW128_Atom<bf16_t>{},
-    cute::Shape<cute::Int<kRows>, cute::Int<GemmConfig::kBlockK>,
-                cute::Int<GemmConfig::kStages>>{},
+    cute::Shape<cute::Int<kRows>, cute::Int<GemmConfig::kBlockK>, cute::Int<kStages>>{},
     cute::Step<cute::_2, cute::_1, cute::_3>{}));
 
 // Shared-memory layouts (BM|BN, BK, PIPE) and the MMA of a GemmKind. K-major stages hold
 // 128-byte swizzled rows, as a (64, rows) TMA box writes them.
 template <class Kind>
 struct GemmLayouts {
-  using SmemA = std::conditional_t<Kind::kKMajorA, StagedK<GemmConfig::kBlockM>,
-                                   StagedMN<GemmConfig::kBlockM>>;
-  using SmemB = std::conditional_t<Kind::kKMajorB, StagedK<GemmConfig::kBlockN>,
-                                   StagedMN<GemmConfig::kBlockN>>;
+  using SmemA = std::conditional_t<Kind::kKMajorA, StagedK<GemmConfig::kBlockM, Kind::kStages>,
+                                   StagedMN<GemmConfig::kBlockM, Kind::kStages>>;
+  using SmemB = std::conditional_t<Kind::kKMajorB, StagedK<GemmConfig::kBlockN, Kind::kStages>,
+                                   StagedMN<GemmConfig::kBlockN, Kind::kStages>>;
   // Two 64 x 256 wgmma atoms stacked along M, one per consumer warpgroup.
   using TiledMma = decltype(cute::make_tiled_mma(
       cute::SM90_64x256x16_F32BF16BF16_SS<Kind::kMajorA, Kind::kMajorB>{},
       cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
 };
 
-// Epilogue staging: one (64, 64) bf16 tile per consumer warpgroup, written and copied out once
-// per 64 output columns. Small, so that four pipeline stages fit beside it.
+// Epilogue staging, per consumer warpgroup: one (64, 64) bf16 tile, written and copied out once
+// per 64 output columns, small so that four pipeline stages fit beside it; or (kTmaStore) its
+// whole 64 x 256 slab of the output tile as eight (32 columns, 64 rows) TMA boxes.
 constexpr int kWarpgroupRows = GemmConfig::kBlockM / GemmConfig::kConsumerWarpgroups;
 constexpr int kStageCols = 64;
+constexpr int kTmaStoreCols = 32;
 
+template <int kStages, int kStageElems>
 struct alignas(1024) GemmSmem {
-  bf16_t a[GemmConfig::kStages][GemmConfig::kBlockM * GemmConfig::kBlockK];
-  bf16_t b[GemmConfig::kStages][GemmConfig::kBlockN * GemmConfig::kBlockK];
+  bf16_t a[kStages][GemmConfig::kBlockM * GemmConfig::kBlockK];
+  bf16_t b[kStages][GemmConfig::kBlockN * GemmConfig::kBlockK];
   // Apart from the stages, which the producer is already filling with the next tile.
-  bf16_t stage[GemmConfig::kConsumerWarpgroups][kWarpgroupRows * kStageCols];
+  bf16_t stage[GemmConfig::kConsumerWarpgroups][kStageElems];
   int32_t offsets[GemmConfig::kMaxGroups + 1];     // the groups' first rows
   int32_t tile_start[GemmConfig::kMaxGroups + 1];  // kRowsByGroup: the groups' first tiles
   int32_t used_end[GemmConfig::kMaxGroups];        // kGroupedK: the groups' used rows' ends
-  uint64_t full[GemmConfig::kStages];   // TMA bytes landed
-  uint64_t empty[GemmConfig::kStages];  // both consumer warpgroups done reading
+  uint64_t full[kStages];   // TMA bytes landed
+  uint64_t empty[kStages];  // both consumer warpgroups done reading
 };
+template <class Kind>
+using GemmSmemOf =
+    GemmSmem<Kind::kStages, kWarpgroupRows * (Kind::kTmaStore ? GemmConfig::kBlockN : kStageCols)>;
 
 // Producer: one thread issues every TMA of the tile. `it` counts the k-steps of all earlier
 // tiles of this CTA: the ring position and phase continue across tiles.
-template <class Kind>
-__device__ __forceinline__ void LoadTile(const GemmParams& p, const GemmTile& tile,
-                                         GemmSmem& smem, uint32_t& it) {
+template <class Kind, class Smem>
+__device__ __forceinline__ void LoadTile(const GemmParams& p, const GemmTile& tile, Smem& smem,
+                                         uint32_t& it) {
   using C = GemmConfig;
   constexpr int kBox = C::kBoxInner * C::kBlockK;  // elements of one MN-major box
   const int n0 = tile.n_tile * C::kBlockN;
@@ -71,8 +75,8 @@ __device__ __forceinline__ void LoadTile(const GemmParams& p, const GemmTile& ti
   const int64_t b_row0 = Kind::kSched == Schedule::kRowsByGroup
                              ? int64_t{tile.group} * p.k : tile.k_begin;
   for (int kt = 0; kt < tile.num_k; ++kt, ++it) {
-    const int s = it % C::kStages;
-    const uint32_t round = it / C::kStages;
+    const int s = it % Kind::kStages;
+    const uint32_t round = it / Kind::kStages;
     const int kk = kt * C::kBlockK;
     BarrierWait(&smem.empty[s], (round & 1) ^ 1);  // the first round finds every stage free
     BarrierArriveExpectTx(&smem.full[s], C::kStageBytes);
@@ -115,8 +119,8 @@ __device__ __forceinline__ void LoadTile(const GemmParams& p, const GemmTile& ti
 // loop the warpgroup-collective wgmma keeps its four warps together; the idle loop has no
 // wgmma, so a named barrier does (without it, a warp that slept through a refill of its stage
 // waited for the wrong phase and the kernel hung).
-template <class Kind, class Accum>
-__device__ __forceinline__ void MmaTile(const GemmTile& tile, GemmSmem& smem, int thread,
+template <class Kind, class Smem, class Accum>
+__device__ __forceinline__ void MmaTile(const GemmTile& tile, Smem& smem, int thread,
                                         bool idle, Accum& acc, uint32_t& it) {
   using namespace cute;
   using C = GemmConfig;
@@ -134,8 +138,8 @@ __device__ __forceinline__ void MmaTile(const GemmTile& tile, GemmSmem& smem, in
   const bool releaser = thread % 128 == 0;
   if (idle) {
     for (int kt = 0; kt < tile.num_k; ++kt, ++it) {
-      const int s = it % C::kStages;
-      BarrierWait(&smem.full[s], (it / C::kStages) & 1);
+      const int s = it % Kind::kStages;
+      BarrierWait(&smem.full[s], (it / Kind::kStages) & 1);
       NamedBarrierSync(2 + thread / 128, 128);  // all four warps saw this phase
       if (releaser) BarrierArrive(&smem.empty[s]);
     }
@@ -144,8 +148,8 @@ __device__ __forceinline__ void MmaTile(const GemmTile& tile, GemmSmem& smem, in
   mma.accumulate_ = GMMA::ScaleOut::Zero;
   int previous = 0;
   for (int kt = 0; kt < tile.num_k; ++kt, ++it) {
-    const int s = it % C::kStages;
-    BarrierWait(&smem.full[s], (it / C::kStages) & 1);
+    const int s = it % Kind::kStages;
+    BarrierWait(&smem.full[s], (it / Kind::kStages) & 1);
     warpgroup_fence_operand(acc);
     warpgroup_arrive();
     CUTE_UNROLL

@@ -137,6 +137,40 @@ __device__ __forceinline__ uint4 LoadShared128(uint32_t addr) {
   return v;
 }
 
+// TMA store of one box from shared memory to (c0 = inner element index, c1 = row) of the
+// tensor `map`, in the thread's current bulk group; rows and columns past the tensor's extent
+// are not written.
+__device__ __forceinline__ void TmaStore2d(const CUtensorMap* map, uint32_t src, int32_t c0,
+                                           int32_t c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
+          reinterpret_cast<uint64_t>(map)),
+      "r"(src), "r"(c0), "r"(c1)
+      : "memory");
+}
+
+__device__ __forceinline__ void BulkCommitGroup() {
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+// Waits until at most kPending of the thread's bulk groups have not yet finished reading
+// shared memory.
+template <int kPending>
+__device__ __forceinline__ void BulkWaitRead() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
+}
+
+// Waits until all of the thread's bulk groups have completed.
+__device__ __forceinline__ void BulkWaitAll() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+// Orders this thread's shared-memory writes before later async-proxy reads of them (a TMA
+// store).
+__device__ __forceinline__ void FenceProxyAsyncShared() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
 // A 16-byte store to global memory (a generic pointer into it), without generic addressing.
 __device__ __forceinline__ void StoreGlobal128(void* p, uint4 v) {
   asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(__cvta_generic_to_global(p)),

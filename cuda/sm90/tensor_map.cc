@@ -24,7 +24,7 @@ PFN_cuTensorMapEncodeTiled_v12000 EncodeTiled() {
 }  // namespace
 
 bool MakeTensorMap(CUtensorMap* map, const void* base, uint64_t inner, uint64_t rows,
-                   uint32_t box_inner, uint32_t box_rows) {
+                   uint32_t box_inner, uint32_t box_rows, CUtensorMapSwizzle swizzle) {
   auto encode = EncodeTiled();
   if (!encode || rows == 0 || inner == 0) return false;
   cuuint64_t dims[2] = {inner, rows};
@@ -33,7 +33,7 @@ bool MakeTensorMap(CUtensorMap* map, const void* base, uint64_t inner, uint64_t 
   cuuint32_t element_strides[2] = {1, 1};
   return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides,
                 box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 

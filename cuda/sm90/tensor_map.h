@@ -8,9 +8,11 @@
 
 namespace mok::sm90 {
 
-// A row-major bf16 matrix (rows, inner) read in (box_inner, box_rows) boxes with the 128-byte
-// swizzle; out-of-bounds elements read as zero. Returns false if the driver refuses it.
+// A row-major bf16 matrix (rows, inner) read or written in (box_inner, box_rows) boxes with
+// `swizzle`; out-of-bounds elements read as zero and are not written. Returns false if the
+// driver refuses it.
 bool MakeTensorMap(CUtensorMap* map, const void* base, uint64_t inner, uint64_t rows,
-                   uint32_t box_inner, uint32_t box_rows);
+                   uint32_t box_inner, uint32_t box_rows,
+                   CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B);
 
 }  // namespace mok::sm90
