@@ -74,8 +74,10 @@ struct GemmKind {
   //
   // NOTES: a weight-gradient tile has 2 to 6 k-steps and a 64 KB output tile: with 16-byte
   // st.global stores (or TMA stores from two 4 KB halves, which the warpgroup waits on in
-  // turn), its epilogue was a third of its time. Three stages everywhere made the forward
-  // slower (H200, 2026-11-29: qwen3_30b 2.61 -> 2.83 ms).
+  // turn), its epilogue was a third of its time; with this store the launch took dsv3 11.36 ->
+  // 10.18 ms, gptoss_120b 4.28 -> 4.24 (H200, 2026-11-29; on code that spilled registers it
+  // measured 3-5% slower). Three stages everywhere made the forward slower (qwen3_30b 2.61 ->
+  // 2.83 ms).
   static constexpr bool kTmaStore = kEpi_ == Epilogue::kStore && kSched_ == Schedule::kGroupedK;
   static constexpr int kStages = kTmaStore ? 3 : 4;
 };
