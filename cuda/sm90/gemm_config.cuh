@@ -111,8 +111,6 @@ struct GemmParams {
   int n_tiles, m_tiles;
   int raster_rows;          // row tiles per band of the tile order (tile_scheduler.cuh)
   int64_t tiles;            // an upper bound on the linear tiles (LinearTiles): sizes the grid
-  int64_t group_stride;     // kGroupedK: elements between consecutive groups' outputs (m
-                            // n_split: packed, one tensor map covers them all)
   void* out0;
   void* out1;
   const __nv_bfloat16* aux; // kSwiGLUBwd: gu

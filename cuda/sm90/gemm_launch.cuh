@@ -61,8 +61,7 @@ const char* PrepareGemm(GemmParams& p, const Matrix& a, const Matrix& b0, const 
     return "cuTensorMapEncodeTiled refused a GEMM operand";
   }
   if constexpr (Kind::kTmaStore) {
-    // One map over all groups' outputs, group g's rows from g * m on.
-    if (p.group_stride != int64_t{p.m} * p.n_split) return "grouped outputs must be packed";
+    // One map over all groups' outputs, packed: group g's rows from g * m on.
     const int64_t rows = int64_t{p.groups} * p.m;
     auto out_map = [&](CUtensorMap* map, const void* base) {
       return MakeTensorMap(map, base, p.n_split, rows, kTmaStoreCols, kWarpgroupRows,

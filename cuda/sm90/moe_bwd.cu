@@ -90,14 +90,14 @@ const char* LaunchWeightGrads(const MlpGrads* mlps, int count, int32_t* counter,
     const int H = static_cast<int>(g.H), I = static_cast<int>(g.I);
     GemmParams& down = c.gemm[j];
     down = sm90::RowGroups(g.offsets, g.block_m, g.groups, g.m);
-    down.m = I, down.n = H, down.n_split = H, down.group_stride = g.I * g.H;
+    down.m = I, down.n = H, down.n_split = H;
     down.out0 = g.dw_down, down.out1 = g.dw_down, down.row_tokens = g.row_tokens;
     if (auto err = sm90::PrepareGemm<sm90::BwdWeights>(down, {g.h, I, g.m}, {g.dy_r, H, g.m},
                                                        {}))
       return err;
     GemmParams& up = c.gemm[2 + j];
     up = sm90::RowGroups(g.offsets, g.block_m, g.groups, g.m);
-    up.m = H, up.n = 2 * I, up.n_split = I, up.group_stride = g.H * g.I;
+    up.m = H, up.n = 2 * I, up.n_split = I;
     up.out0 = g.dw_gate, up.out1 = g.dw_up, up.row_tokens = g.row_tokens;
     if (auto err = sm90::PrepareGemm<sm90::BwdWeights>(up, {g.x_rows, H, g.m},
                                                        {g.dgu, 2 * g.I, g.m}, {}))
