@@ -292,7 +292,7 @@ __device__ __forceinline__ void StageAndStoreF32(const GemmParams& p, const Gemm
 // its next tile without waiting for them (it waits, at its next epilogue, until they have read
 // the staging). A slab at or past m_end (rows past the gradient's m, the next group's) has
 // nothing to store; rows and columns past the tensor are clipped by TMA.
-template <class Kind, class Smem, class Accum>
+template <class Smem, class Accum>
 __device__ __forceinline__ void StoreTileTma(const GemmParams& p, const GemmTile& tile,
                                              Smem& smem, int thread, const Accum& acc) {
   using C = GemmConfig;
@@ -341,7 +341,7 @@ __device__ __forceinline__ void StoreTile(const GemmParams& p, const GemmTile& t
   constexpr Epilogue kEpi = Kind::kEpi;
   static_assert(decltype(size(acc))::value == 128, "one 64 x 256 wgmma atom per thread");
   if constexpr (Kind::kTmaStore) {
-    StoreTileTma<Kind>(p, tile, smem, thread, acc);
+    StoreTileTma(p, tile, smem, thread, acc);
   } else if constexpr (kEpi == Epilogue::kStoreF32) {
     StageAndStoreF32(p, tile, smem, thread, acc);
   } else if constexpr (kEpi == Epilogue::kSwiGLUBwd) {
