@@ -1,8 +1,8 @@
 // The grouped expert GEMM kernel: warp-specialised (one producer warpgroup, two consumer
 // warpgroups), TMA -> mbarrier ring -> wgmma, then an epilogue, over the tiles of a chain of
-// GEMMs (ChainParams). The producer thread takes each tile from the device queue and passes it
-// to the consumers through a small ring in shared memory; while the consumers run a tile's
-// epilogue, it is already loading the next tile's stages.
+// GEMMs (ChainParams). The producer thread takes each tile from the device queue, schedules it
+// (ScheduleTile) and passes it to the consumers through a small ring in shared memory; while
+// the consumers run a tile's epilogue, it is already loading the next tile's stages.
 #pragma once
 
 #include <type_traits>
@@ -19,11 +19,16 @@ namespace mok::sm90 {
 // k-steps does not stall the producer on the consumers' epilogues.
 constexpr int kTileSlots = 4;
 
+// NOTES: the consumers used to schedule each tile themselves from its linear index, all 256
+// threads repeating ScheduleTile's 64-bit divisions before the first MMA; on the weight
+// gradients' tiles of 2-3 k-steps that code held about a fifth of the warps' stall samples
+// (ncu, dsv3, H200, 2026-11-30).
 struct ChainSmem {
   int64_t first_tile[kMaxChain + 1];  // GEMM i's tiles are [first_tile[i], first_tile[i + 1])
-  int32_t slot_tile[kTileSlots];      // the linear tile handed to the consumers
-  uint64_t slot_full[kTileSlots];     // the producer wrote slot_tile
-  uint64_t slot_empty[kTileSlots];    // all 256 consumer threads read it
+  GemmTile slot_tile[kTileSlots];     // the tile handed to the consumers, scheduled
+  int32_t slot_chain[kTileSlots];     // its GEMM in the chain; -1: no more tiles
+  uint64_t slot_full[kTileSlots];     // the producer wrote slot_tile and slot_chain
+  uint64_t slot_empty[kTileSlots];    // all 256 consumer threads read them
 };
 
 template <class Kind>
@@ -136,7 +141,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     cs.first_tile[kSlots] = first;
   }
   __syncthreads();
-  // The tile of slot i at linear index `linear`.
+  // The tile of slot i at linear index `linear` (the producer's to compute).
   auto schedule = [&](auto slot, int64_t linear) __attribute__((always_inline)) {
     const GemmParams& p = c.gemm[decltype(slot)::value];
     return ScheduleTile<kSched>(p, p.offsets ? smem.offsets : nullptr,
@@ -155,13 +160,20 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     for (uint32_t j = 0;; ++j) {
       const int slot = j % kTileSlots;
       const int64_t linear = atomicAdd(c.queue, 1);
+      const int i = linear < total ? ChainIndex(cs, kSlots, linear) : -1;
+      GemmTile tile{};
+      if (i >= 0) {
+        WithSlot<kSlots>(i, [&](auto s) __attribute__((always_inline)) {
+          tile = schedule(s, linear);
+        });
+      }
       BarrierWait(&cs.slot_empty[slot], ((j / kTileSlots) & 1) ^ 1);
-      cs.slot_tile[slot] = linear < total ? static_cast<int32_t>(linear) : -1;  // -1: done
+      cs.slot_tile[slot] = tile;
+      cs.slot_chain[slot] = i;
       BarrierArrive(&cs.slot_full[slot]);
-      if (linear >= total) break;
-      WithSlot<kSlots>(ChainIndex(cs, kSlots, linear), [&](auto s) __attribute__((always_inline)) {
+      if (i < 0) break;
+      WithSlot<kSlots>(i, [&](auto s) __attribute__((always_inline)) {
         constexpr int kSlot = decltype(s)::value;
-        const GemmTile tile = schedule(s, linear);
         if (c.wait_base[kSlot] >= 0) {
           // A is rows that another slot of this launch writes: wait for all of that slot's
           // column tiles of this row tile. Every tile handed out before this one is running or
@@ -179,14 +191,10 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     for (uint32_t j = 0;; ++j) {
       const int slot = j % kTileSlots;
       BarrierWaitLean(&cs.slot_full[slot], (j / kTileSlots) & 1);
-      const int32_t linear = cs.slot_tile[slot];
+      const int i = cs.slot_chain[slot];
+      const GemmTile tile = cs.slot_tile[slot];
       BarrierArrive(&cs.slot_empty[slot]);
-      if (linear < 0) break;
-      const int i = ChainIndex(cs, kSlots, linear);
-      GemmTile tile;
-      WithSlot<kSlots>(i, [&](auto s) __attribute__((always_inline)) {
-        tile = schedule(s, linear);
-      });
+      if (i < 0) break;
       auto acc = cute::partition_fragment_C(
           typename GemmLayouts<Kind0>::TiledMma{},
           cute::Shape<cute::Int<C::kBlockM>, cute::Int<C::kBlockN>>{});
