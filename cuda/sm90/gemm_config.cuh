@@ -84,7 +84,8 @@ struct GemmKind {
 
 // Host-built arguments of one grouped GEMM launch.
 struct GemmParams {
-  // K-major operands are read in (64, rows) boxes, MN-major ones in (64, 64) boxes.
+  // K-major operands are read in (64, rows) boxes, MN-major ones in one 3D box of (64, 64)
+  // panels a k-step (MakePanelMap).
   CUtensorMap a;
   CUtensorMap b0;
   CUtensorMap b1;           // kSwiGLU: w_up; K-major B: the matrix for k >= k_split

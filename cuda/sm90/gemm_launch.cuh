@@ -24,10 +24,12 @@ inline const char* Check(cudaError_t e) {
   return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
 }
 
-// K-major operands are read in (64, box_rows) boxes, MN-major ones in (64, 64) boxes.
+// K-major operands are read in (64, box_rows) boxes; MN-major ones in one box of box_rows / 64
+// panels of (64, 64), one TMA for all of them (their width must be a multiple of 64).
 inline bool Describe(CUtensorMap* map, const Matrix& m, bool k_major, int box_rows) {
-  return MakeTensorMap(map, m.base, m.inner, m.rows, GemmConfig::kBoxInner,
-                       k_major ? box_rows : GemmConfig::kBlockK);
+  if (k_major) return MakeTensorMap(map, m.base, m.inner, m.rows, GemmConfig::kBoxInner, box_rows);
+  return MakePanelMap(map, m.base, m.inner, m.rows, GemmConfig::kBlockK,
+                      box_rows / GemmConfig::kBoxInner);
 }
 
 // Row tiles per band of the tile order. Eight row tiles and the column panels the rest of a
@@ -55,9 +57,16 @@ template <class Kind>
 const char* PrepareGemm(GemmParams& p, const Matrix& a, const Matrix& b0, const Matrix& b1) {
   using C = GemmConfig;
   const bool uses_b1 = Kind::kEpi == Epilogue::kSwiGLU || (Kind::kKMajorB && p.k_split < p.k);
+  // kSwiGLU's B is two halves, w_gate's and w_up's columns of the tile.
+  const int b_cols = Kind::kEpi == Epilogue::kSwiGLU && !Kind::kKMajorB ? C::kBlockN / 2
+                                                                         : C::kBlockN;
+  if ((!Kind::kKMajorA && a.inner % C::kBoxInner != 0) ||
+      (!Kind::kKMajorB && (b0.inner % C::kBoxInner != 0 ||
+                           (uses_b1 && b1.inner % C::kBoxInner != 0))))
+    return "an MN-major GEMM operand's width must be a multiple of 64";
   if (!Describe(&p.a, a, Kind::kKMajorA, C::kBlockM) ||
-      !Describe(&p.b0, b0, Kind::kKMajorB, C::kBlockN) ||
-      (uses_b1 && !Describe(&p.b1, b1, Kind::kKMajorB, C::kBlockN))) {
+      !Describe(&p.b0, b0, Kind::kKMajorB, b_cols) ||
+      (uses_b1 && !Describe(&p.b1, b1, Kind::kKMajorB, b_cols))) {
     return "cuTensorMapEncodeTiled refused a GEMM operand";
   }
   if constexpr (Kind::kTmaStore) {

@@ -83,29 +83,25 @@ __device__ __forceinline__ void LoadTile(const GemmParams& p, const GemmTile& ti
     if constexpr (Kind::kKMajorA) {
       TmaLoad2d(smem.a[s], &p.a, &smem.full[s], kk, static_cast<int32_t>(tile.m0));
     } else {
-#pragma unroll
-      for (int j = 0; j < C::kBlockM / C::kBoxInner; ++j)
-        TmaLoad2d(smem.a[s] + j * kBox, &p.a, &smem.full[s],
-                  static_cast<int32_t>(tile.m0) + j * C::kBoxInner,
-                  static_cast<int32_t>(tile.k_begin + kk));
+      // The tile's kBlockM / 64 panels of A in one box (m0 is a multiple of kBlockM).
+      TmaLoad3d(smem.a[s], &p.a, &smem.full[s], 0, static_cast<int32_t>(tile.k_begin + kk),
+                static_cast<int32_t>(tile.m0 / C::kBoxInner));
     }
     if constexpr (Kind::kKMajorB) {
       // B(n, k) = W[group * n + n, k]: one (64, 256) box from b0, or b1 past k_split.
       const bool second = kk >= p.k_split;
       TmaLoad2d(smem.b[s], second ? &p.b1 : &p.b0, &smem.full[s], second ? kk - p.k_split : kk,
                 tile.group * p.n + n0);
+    } else if constexpr (Kind::kEpi == Epilogue::kSwiGLU) {
+      // Panels 0-1 are 128 columns of w_gate, panels 2-3 the same columns of w_up.
+      constexpr int kHalf = C::kBlockN / C::kBoxInner / 2;
+      const int panel = tile.n_tile * kHalf;
+      const auto row = static_cast<int32_t>(b_row0 + kk);
+      TmaLoad3d(smem.b[s], &p.b0, &smem.full[s], 0, row, panel);
+      TmaLoad3d(smem.b[s] + kHalf * kBox, &p.b1, &smem.full[s], 0, row, panel);
     } else {
-#pragma unroll
-      for (int j = 0; j < C::kBlockN / C::kBoxInner; ++j) {
-        // kSwiGLU: boxes 0-1 are 128 columns of w_gate, boxes 2-3 the same columns of w_up.
-        constexpr int kHalf = C::kBlockN / C::kBoxInner / 2;
-        const bool up = Kind::kEpi == Epilogue::kSwiGLU && j >= kHalf;
-        const int col = Kind::kEpi == Epilogue::kSwiGLU
-                            ? tile.n_tile * (C::kBlockN / 2) + (j % kHalf) * C::kBoxInner
-                            : n0 + j * C::kBoxInner;
-        TmaLoad2d(smem.b[s] + j * kBox, up ? &p.b1 : &p.b0, &smem.full[s], col,
-                  static_cast<int32_t>(b_row0 + kk));
-      }
+      TmaLoad3d(smem.b[s], &p.b0, &smem.full[s], 0, static_cast<int32_t>(b_row0 + kk),
+                n0 / C::kBoxInner);
     }
   }
 }

@@ -15,4 +15,11 @@ bool MakeTensorMap(CUtensorMap* map, const void* base, uint64_t inner, uint64_t 
                    uint32_t box_inner, uint32_t box_rows,
                    CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B);
 
+// The same matrix as the MN-major operand of a GEMM, whose 64-column panels are the 128-byte
+// swizzle atoms' width: one TMA reads `panels` neighbouring (64 columns, box_rows rows) panels
+// into consecutive shared memory, as that many 2D boxes would, through a 3D view (column in
+// panel, row, panel). `inner` must be a multiple of 64.
+bool MakePanelMap(CUtensorMap* map, const void* base, uint64_t inner, uint64_t rows,
+                  uint32_t box_rows, uint32_t panels);
+
 }  // namespace mok::sm90
