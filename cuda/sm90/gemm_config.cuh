@@ -14,10 +14,9 @@ struct GemmConfig {
   // NOTES: a 128 x 256 tile over two consumer warpgroups (64 x 256 each, one
   // wgmma.m64n256k16 per k16 step) keeps 128 f32 accumulators per thread and reads 48 KB of
   // shared memory per 64-deep k-step; four stages (192 KB) cover L2 latency (the weight
-  // gradients keep three: GemmKind::kStages).
+  // gradients: GemmKind::kBlockK, kStages).
   static constexpr int kBlockM = 128;
   static constexpr int kBlockN = 256;
-  static constexpr int kBlockK = 64;
   // Groups of a kRowsByGroup or kGroupedK launch, whose offsets are copied to shared memory.
   static constexpr int kMaxGroups = 512;
   static constexpr int kConsumerWarpgroups = 2;
@@ -27,9 +26,6 @@ struct GemmConfig {
   static constexpr uint32_t kConsumerRegs = 232;
   // TMA boxes: 64 bf16 = 128 bytes inner, the 128-byte swizzle span.
   static constexpr int kBoxInner = 64;
-  static constexpr uint32_t kStageBytesA = kBlockM * kBlockK * 2;
-  static constexpr uint32_t kStageBytesB = kBlockN * kBlockK * 2;
-  static constexpr uint32_t kStageBytes = kStageBytesA + kStageBytesB;
 };
 
 // What the epilogue does with the 128 x 256 f32 accumulator tile.
@@ -79,12 +75,26 @@ struct GemmKind {
   // measured 3-5% slower). Three stages everywhere made the forward slower (qwen3_30b 2.61 ->
   // 2.83 ms).
   static constexpr bool kTmaStore = kEpi_ == Epilogue::kStore && kSched_ == Schedule::kGroupedK;
-  static constexpr int kStages = kTmaStore ? 3 : 4;
+  // The weight gradients' stages are half as deep (32 of k) and twice as many, in the same
+  // 144 KB: with 48 KB stages the producer could refill only one while the consumers held two,
+  // and the consumers waited for a stage's bytes in 28% of their samples (ncu, gptoss_120b,
+  // H200, 2026-11-30). Their operands are MN-major, whose panels need no 64-deep swizzle atom.
+  // The bits are those of 64-deep stages: the same k16 MMAs in the same order.
+  //
+  // NOTES: H200, 2026-11-30, 64 -> 32 deep, alternating in one process: the weight-gradient
+  // launch took gptoss_120b 4.13 -> 3.72 ms, dsv3 9.37 -> 8.30, mixtral 9.78 -> 9.54, qwen3_30b
+  // 1.94 -> 1.93.
+  static constexpr int kBlockK = kTmaStore ? 32 : 64;
+  static constexpr int kStages = kTmaStore ? 6 : 4;
+  static_assert(kBlockK == 64 || (!kKMajorA && !kKMajorB),
+                "K-major stages are 128-byte swizzled rows: 64 deep");
+  static constexpr uint32_t kStageBytes =
+      (GemmConfig::kBlockM + GemmConfig::kBlockN) * kBlockK * sizeof(__nv_bfloat16);
 };
 
 // Host-built arguments of one grouped GEMM launch.
 struct GemmParams {
-  // K-major operands are read in (64, rows) boxes, MN-major ones in one 3D box of (64, 64)
+  // K-major operands are read in (64, rows) boxes, MN-major ones in one 3D box of (64, kBlockK)
   // panels a k-step (MakePanelMap).
   CUtensorMap a;
   CUtensorMap b0;

@@ -69,7 +69,8 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
   static_assert(Kind0::kMajorA == Kind1::kMajorA && Kind0::kMajorB == Kind1::kMajorB &&
                     Kind0::kSched == Kind1::kSched,
                 "the GEMMs of a chain share shared-memory layouts, MMA and schedule");
-  static_assert(Kind0::kTmaStore == Kind1::kTmaStore && Kind0::kStages == Kind1::kStages,
+  static_assert(Kind0::kTmaStore == Kind1::kTmaStore && Kind0::kStages == Kind1::kStages &&
+                    Kind0::kBlockK == Kind1::kBlockK,
                 "the GEMMs of a chain share the pipeline and staging");
   static_assert(kGemmSmemBytes<Kind0> <= 227 * 1024, "past an H100/H200 CTA's shared memory");
   using C = GemmConfig;
@@ -144,7 +145,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
   // The tile of slot i at linear index `linear` (the producer's to compute).
   auto schedule = [&](auto slot, int64_t linear) __attribute__((always_inline)) {
     const GemmParams& p = c.gemm[decltype(slot)::value];
-    return ScheduleTile<kSched>(p, p.offsets ? smem.offsets : nullptr,
+    return ScheduleTile<kSched, Kind0::kBlockK>(p, p.offsets ? smem.offsets : nullptr,
                                 p.offsets ? tile_start : nullptr,
                                 kSched == Schedule::kGroupedK && p.offsets && p.row_tokens
                                     ? smem.used_end : nullptr,

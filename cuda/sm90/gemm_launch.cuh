@@ -25,11 +25,10 @@ inline const char* Check(cudaError_t e) {
 }
 
 // K-major operands are read in (64, box_rows) boxes; MN-major ones in one box of box_rows / 64
-// panels of (64, 64), one TMA for all of them (their width must be a multiple of 64).
-inline bool Describe(CUtensorMap* map, const Matrix& m, bool k_major, int box_rows) {
+// panels of (64, block_k), one TMA for all of them (their width must be a multiple of 64).
+inline bool Describe(CUtensorMap* map, const Matrix& m, bool k_major, int box_rows, int block_k) {
   if (k_major) return MakeTensorMap(map, m.base, m.inner, m.rows, GemmConfig::kBoxInner, box_rows);
-  return MakePanelMap(map, m.base, m.inner, m.rows, GemmConfig::kBlockK,
-                      box_rows / GemmConfig::kBoxInner);
+  return MakePanelMap(map, m.base, m.inner, m.rows, block_k, box_rows / GemmConfig::kBoxInner);
 }
 
 // Row tiles per band of the tile order. Eight row tiles and the column panels the rest of a
@@ -64,9 +63,9 @@ const char* PrepareGemm(GemmParams& p, const Matrix& a, const Matrix& b0, const 
       (!Kind::kKMajorB && (b0.inner % C::kBoxInner != 0 ||
                            (uses_b1 && b1.inner % C::kBoxInner != 0))))
     return "an MN-major GEMM operand's width must be a multiple of 64";
-  if (!Describe(&p.a, a, Kind::kKMajorA, C::kBlockM) ||
-      !Describe(&p.b0, b0, Kind::kKMajorB, b_cols) ||
-      (uses_b1 && !Describe(&p.b1, b1, Kind::kKMajorB, b_cols))) {
+  if (!Describe(&p.a, a, Kind::kKMajorA, C::kBlockM, Kind::kBlockK) ||
+      !Describe(&p.b0, b0, Kind::kKMajorB, b_cols, Kind::kBlockK) ||
+      (uses_b1 && !Describe(&p.b1, b1, Kind::kKMajorB, b_cols, Kind::kBlockK))) {
     return "cuTensorMapEncodeTiled refused a GEMM operand";
   }
   if constexpr (Kind::kTmaStore) {

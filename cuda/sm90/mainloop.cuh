@@ -14,26 +14,36 @@ namespace mok::sm90 {
 
 using bf16_t = cute::bfloat16_t;
 
-template <int kRows, int kStages>
+template <int kRows, int kBlockK, int kStages>
 using StagedK = decltype(cute::tile_to_shape(
     cute::GMMA::Layout_K_SW128_Atom<bf16_t>{},
-    cute::Shape<cute::Int<kRows>, cute::Int<GemmConfig::kBlockK>, cute::Int<kStages>>{}));
+    cute::Shape<cute::Int<kRows>, cute::Int<kBlockK>, cute::Int<kStages>>{}));
 // MN-major operands: atoms ordered K first, so that each group of 64 MN-columns is one
-// contiguous (64 MN, 64 K) TMA box of 8 KB.
-template <int kRows, int kStages>
+// contiguous (64 MN, kBlockK) panel, as MakePanelMap's boxes write them.
+template <int kRows, int kBlockK, int kStages>
 using StagedMN = decltype(cute::tile_to_shape(
     cute::GMMA::Layout_MN_SW128_Atom<bf16_t>{},
-    cute::Shape<cute::Int<kRows>, cute::Int<GemmConfig::kBlockK>, cute::Int<kStages>>{},
+    cute::Shape<cute::Int<kRows>, cute::Int<kBlockK>, cute::Int<kStages>>{},
     cute::Step<cute::_2, cute::_1, cute::_3>{}));
+
+// One of the two, named only when chosen (a K-major layout 32 deep does not exist).
+template <bool kKMajor, int kRows, int kBlockK, int kStages>
+struct Staged {
+  using type = StagedMN<kRows, kBlockK, kStages>;
+};
+template <int kRows, int kBlockK, int kStages>
+struct Staged<true, kRows, kBlockK, kStages> {
+  using type = StagedK<kRows, kBlockK, kStages>;
+};
 
 // Shared-memory layouts (BM|BN, BK, PIPE) and the MMA of a GemmKind. K-major stages hold
 // 128-byte swizzled rows, as a (64, rows) TMA box writes them.
 template <class Kind>
 struct GemmLayouts {
-  using SmemA = std::conditional_t<Kind::kKMajorA, StagedK<GemmConfig::kBlockM, Kind::kStages>,
-                                   StagedMN<GemmConfig::kBlockM, Kind::kStages>>;
-  using SmemB = std::conditional_t<Kind::kKMajorB, StagedK<GemmConfig::kBlockN, Kind::kStages>,
-                                   StagedMN<GemmConfig::kBlockN, Kind::kStages>>;
+  using SmemA = typename Staged<Kind::kKMajorA, GemmConfig::kBlockM, Kind::kBlockK,
+                                Kind::kStages>::type;
+  using SmemB = typename Staged<Kind::kKMajorB, GemmConfig::kBlockN, Kind::kBlockK,
+                                Kind::kStages>::type;
   // Two 64 x 256 wgmma atoms stacked along M, one per consumer warpgroup.
   using TiledMma = decltype(cute::make_tiled_mma(
       cute::SM90_64x256x16_F32BF16BF16_SS<Kind::kMajorA, Kind::kMajorB>{},
@@ -47,10 +57,10 @@ constexpr int kWarpgroupRows = GemmConfig::kBlockM / GemmConfig::kConsumerWarpgr
 constexpr int kStageCols = 64;
 constexpr int kTmaStoreCols = 32;
 
-template <int kStages, int kStageElems>
+template <int kStages, int kBlockK, int kStageElems>
 struct alignas(1024) GemmSmem {
-  bf16_t a[kStages][GemmConfig::kBlockM * GemmConfig::kBlockK];
-  bf16_t b[kStages][GemmConfig::kBlockN * GemmConfig::kBlockK];
+  bf16_t a[kStages][GemmConfig::kBlockM * kBlockK];
+  bf16_t b[kStages][GemmConfig::kBlockN * kBlockK];
   // Apart from the stages, which the producer is already filling with the next tile.
   bf16_t stage[GemmConfig::kConsumerWarpgroups][kStageElems];
   int32_t offsets[GemmConfig::kMaxGroups + 1];     // the groups' first rows
@@ -61,7 +71,8 @@ struct alignas(1024) GemmSmem {
 };
 template <class Kind>
 using GemmSmemOf =
-    GemmSmem<Kind::kStages, kWarpgroupRows * (Kind::kTmaStore ? GemmConfig::kBlockN : kStageCols)>;
+    GemmSmem<Kind::kStages, Kind::kBlockK,
+             kWarpgroupRows * (Kind::kTmaStore ? GemmConfig::kBlockN : kStageCols)>;
 
 // Producer: one thread issues every TMA of the tile. `it` counts the k-steps of all earlier
 // tiles of this CTA: the ring position and phase continue across tiles.
@@ -69,7 +80,7 @@ template <class Kind, class Smem>
 __device__ __forceinline__ void LoadTile(const GemmParams& p, const GemmTile& tile, Smem& smem,
                                          uint32_t& it) {
   using C = GemmConfig;
-  constexpr int kBox = C::kBoxInner * C::kBlockK;  // elements of one MN-major box
+  constexpr int kBox = C::kBoxInner * Kind::kBlockK;  // elements of one MN-major panel
   const int n0 = tile.n_tile * C::kBlockN;
   // First row of B's k-tiles: the group's weights (kRowsByGroup) or its routed rows.
   const int64_t b_row0 = Kind::kSched == Schedule::kRowsByGroup
@@ -77,9 +88,9 @@ __device__ __forceinline__ void LoadTile(const GemmParams& p, const GemmTile& ti
   for (int kt = 0; kt < tile.num_k; ++kt, ++it) {
     const int s = it % Kind::kStages;
     const uint32_t round = it / Kind::kStages;
-    const int kk = kt * C::kBlockK;
+    const int kk = kt * Kind::kBlockK;
     BarrierWait(&smem.empty[s], (round & 1) ^ 1);  // the first round finds every stage free
-    BarrierArriveExpectTx(&smem.full[s], C::kStageBytes);
+    BarrierArriveExpectTx(&smem.full[s], Kind::kStageBytes);
     if constexpr (Kind::kKMajorA) {
       TmaLoad2d(smem.a[s], &p.a, &smem.full[s], kk, static_cast<int32_t>(tile.m0));
     } else {

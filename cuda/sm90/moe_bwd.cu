@@ -77,7 +77,8 @@ const char* LaunchDataGrads(const MlpGrads* mlps, int count, int32_t* counter, i
 // The weight gradients of the MLPs in one persistent launch, one CTA per output tile over the
 // whole ragged reduction: dw_down_g = h_g^T @ dy_r_g (I, H) (slots 0, 1) and [dw_gate_g |
 // dw_up_g] = x_rows_g^T @ [dg_g | du_g] (H, 2I, split at I) (slots 2, 3). Each group's
-// reduction stops at its last used row (rounded up to 64): the padding rows are zero.
+// reduction stops at its last used row (rounded up to the weight gradients' kBlockK, 32): the
+// padding rows are zero.
 //
 // NOTES: with block_m = 128, a group's padded rows were 25% (gptoss_120b, 256 routes an expert
 // on average) to 47% (dsv3, 128) more than its routes, all of them multiplied as k-steps.

@@ -21,7 +21,7 @@ struct GemmTile {
   int group;
   int64_t m_end;    // rows of the output that exist: stores stop there
   int64_t k_begin;  // kGroupedK: first routed row of the group
-  int num_k;        // k-steps of kBlockK
+  int num_k;        // k-steps of the GemmKind's kBlockK
   int row_tile;     // kRowsByGroup: the row tile among all groups' (ScanGroupTiles numbering)
   bool half;        // only rows [m0, m0 + 64) are the group's: the second warpgroup idles
 };
@@ -109,7 +109,7 @@ __device__ __forceinline__ RasterPos Raster(int64_t local, int64_t rows, int col
 // offsets, tile_start: the groups' offsets and ScanGroupTiles in shared memory, or null (one
 // group); used_end (kGroupedK): UsedRowEnds in shared memory, or null (the padded ends).
 // `linear` < TileCount (the launch's queue hands out no other).
-template <Schedule kSched>
+template <Schedule kSched, int kBlockK>
 __device__ __forceinline__ GemmTile ScheduleTile(const GemmParams& p, const int32_t* offsets,
                                                  const int32_t* tile_start,
                                                  const int32_t* used_end, int64_t linear) {
@@ -138,7 +138,7 @@ __device__ __forceinline__ GemmTile ScheduleTile(const GemmParams& p, const int3
     t.m0 = (offsets ? offsets[t.group] : 0) + pos.row * C::kBlockM;
     t.m_end = offsets ? offsets[t.group + 1] : p.m_total;
     t.half = offsets && t.m_end - t.m0 <= C::kBlockM / 2;
-    t.num_k = p.k / C::kBlockK;
+    t.num_k = p.k / kBlockK;
   } else {
     const int64_t per_group = int64_t{p.m_tiles} * p.n_tiles;
     t.group = static_cast<int>(linear / per_group);
@@ -151,7 +151,7 @@ __device__ __forceinline__ GemmTile ScheduleTile(const GemmParams& p, const int3
     t.k_begin = offsets ? offsets[t.group] : 0;
     const int64_t k_end = used_end ? used_end[t.group]
                           : offsets ? offsets[t.group + 1] : p.m_total;
-    t.num_k = static_cast<int>((k_end - t.k_begin + C::kBlockK - 1) / C::kBlockK);
+    t.num_k = static_cast<int>((k_end - t.k_begin + kBlockK - 1) / kBlockK);
   }
   return t;
 }
