@@ -162,11 +162,11 @@ def _as_ids(experts):
 
 
 def _local_ids(experts, first, n_local):
-  """int32 ids local to the experts [first, first + n_local); -1 for every other id.
+  """int32 ids local to the experts [first, first + n_local); -1 for every other id, except
+  that a single rank's int32 ids go as they are: every implementation drops ids outside [0, E)
+  itself, and the select would be one more launch before the kernel's on every call.
 
   Comparing before the cast keeps an int64 id such as 2**32 + 3 from wrapping onto expert 3.
-  Every implementation drops ids outside [0, E) itself, so int32 ids of a single rank go as
-  they are (the select would be one more launch before the kernel's, on every call).
   """
   if isinstance(first, int) and first == 0 and experts.dtype == jnp.int32:
     return experts

@@ -145,11 +145,10 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
   // The tile of slot i at linear index `linear` (the producer's to compute).
   auto schedule = [&](auto slot, int64_t linear) __attribute__((always_inline)) {
     const GemmParams& p = c.gemm[decltype(slot)::value];
-    return ScheduleTile<kSched, Kind0::kBlockK>(p, p.offsets ? smem.offsets : nullptr,
-                                p.offsets ? tile_start : nullptr,
-                                kSched == Schedule::kGroupedK && p.offsets && p.row_tokens
-                                    ? smem.used_end : nullptr,
-                                linear - cs.first_tile[decltype(slot)::value]);
+    return ScheduleTile<kSched, Kind0::kBlockK>(
+        p, p.offsets ? smem.offsets : nullptr, p.offsets ? tile_start : nullptr,
+        kSched == Schedule::kGroupedK && p.offsets && p.row_tokens ? smem.used_end : nullptr,
+        linear - cs.first_tile[decltype(slot)::value]);
   };
 
   // Both roles walk the same tiles in the same order; `it` keeps their rings in step.
