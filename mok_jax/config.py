@@ -14,8 +14,9 @@ class Config:
       `block_m` in the expert-sorted buffers, so that a tile never spans two experts; the
       buffers therefore hold `routed_rows(T * k, E, block_m)` rows (see `mok_jax.ops`). The C++
       CPU target uses the same layout as the CUDA kernel so that CI checks it. A power of two
-      in [1, 256]; the CUDA kernel takes 128 or 64 (its tiles are 128 rows; with 64 an expert
-      may end in a half tile, and the padding shrinks; both give the same bits there).
+      in [1, 256]; the CUDA kernel takes 64 or 128 (its tiles are 128 rows; with 64 an expert
+      may end in a half tile, whose two warpgroups split its columns, and the padding
+      shrinks; both give the same bits there).
     recompute: trades time for memory in the backward. False: the forward keeps the
       pre-activations gu = [x @ w_gate | x @ w_up] of the routed rows and of the shared expert
       as residuals, b (2 R I + 2 T Is) bytes per layer (b = bytes per element of x) held from
@@ -26,7 +27,7 @@ class Config:
       keeps and writes no gu whatever this knob says.
   """
 
-  block_m: int = 128
+  block_m: int = 64
   recompute: bool = False
 
   def __post_init__(self):

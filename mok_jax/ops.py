@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mok_jax import _mok_cpu
+from mok_jax.config import Config
 
 try:
   from mok_jax import _mok_cuda
@@ -237,7 +238,7 @@ class Footprint(NamedTuple):
   bwd_scratch: int  # live during the backward call only
 
 
-def footprint(dims: MoeDims, dtype, block_m=128, recompute=False) -> Footprint:
+def footprint(dims: MoeDims, dtype, block_m=Config.block_m, recompute=False) -> Footprint:
   """The memory the FFI targets need, with b = bytes per element of x, R = routed_rows(T k, E,
   block_m) = T k + min(E, T k) (block_m - 1), S = [Is > 0], G = b (2 R I + 2 T Is) the bytes of
   gu and gu_shared, and C = [recompute]:

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mok_jax import ops
+from mok_jax import Config, ops
 
 SHAPES = [  # (T, H, I, E, k, Is)
     (1, 64, 64, 1, 1, 0),
@@ -43,7 +43,7 @@ def test_recompute_moves_gu_out_of_the_residuals(dims):
   scratch than in the save mode."""
   dims = ops.MoeDims(*dims)
   T, H, I, E, k, Is = dims
-  R = ops.routed_rows(T * k, E, 128)
+  R = ops.routed_rows(T * k, E, Config().block_m)
   gu = 2 * (2 * R * I + 2 * T * Is)
   save = ops.footprint(dims, jnp.bfloat16)
   recompute = ops.footprint(dims, jnp.bfloat16, recompute=True)
@@ -51,30 +51,33 @@ def test_recompute_moves_gu_out_of_the_residuals(dims):
   assert recompute.fwd_scratch == save.fwd_scratch
   assert recompute.bwd_scratch - save.bwd_scratch == gu
   n_res = len(ops.Residuals._fields)
-  fwd = ops.fwd_results(dims, jnp.bfloat16, jnp.bfloat16, 128, recompute=True)
+  fwd = ops.fwd_results(dims, jnp.bfloat16, jnp.bfloat16, Config().block_m, recompute=True)
   res = ops.Residuals(*fwd[1:1 + n_res])
   assert res.gu.shape == (0, 2 * I)
   assert res.gu_shared.shape == (0, 2 * Is)
   # The forward declares the same scratch in both modes: no result takes the gu it drops.
-  save_fwd = ops.fwd_results(dims, jnp.bfloat16, jnp.bfloat16, 128, recompute=False)
+  save_fwd = ops.fwd_results(dims, jnp.bfloat16, jnp.bfloat16, Config().block_m,
+                             recompute=False)
   assert fwd[1 + n_res:] == save_fwd[1 + n_res:]
 
 
 def test_qwen3_numbers():
-  """The README's example: qwen3_30b in bf16 keeps about 0.9 GB of residuals per layer."""
+  """The README's example: qwen3_30b in bf16 keeps about 0.9 GB of residuals per layer (block_m
+  64, the default)."""
+  assert Config().block_m == 64
   f = ops.footprint(ops.MoeDims(16384, 2048, 768, 128, 8, 0), jnp.bfloat16)
-  R = 16384 * 8 + 128 * 127
-  assert R == 147328
+  R = 16384 * 8 + 128 * 63
+  assert R == 139136
   assert f.residuals == 4 * (131072 + 129 + R) + 2 * (2 * R * 768 + R * 2048)
   assert 0.9e9 < f.residuals < 1.1e9
 
 
 # README, "Save or recompute": GiB of residuals in bf16, save and recompute, per bench shape.
 README_RECOMPUTE = {
-    (16384, 2048, 768, 128, 8): (0.98, 0.56),
-    (8192, 2880, 2880, 128, 4): (0.79, 0.26),
-    (8192, 4096, 14336, 8, 2): (1.06, 0.13),
-    (4096, 7168, 2048, 256, 8): (1.37, 0.87),
+    (16384, 2048, 768, 128, 8): (0.93, 0.53),
+    (8192, 2880, 2880, 128, 4): (0.66, 0.22),
+    (8192, 4096, 14336, 8, 2): (1.03, 0.13),
+    (4096, 7168, 2048, 256, 8): (1.03, 0.65),
 }
 
 

@@ -4,6 +4,8 @@
 // their whole output tile for TMA stores that the consumers do not wait for.
 #pragma once
 
+#include <utility>
+
 #include <cute/tensor.hpp>
 
 #include "gemm_config.cuh"
@@ -37,6 +39,18 @@ __device__ __forceinline__ int AccRow(int wg_thread) {
 __device__ __forceinline__ int AccCol(int wg_thread) { return wg_thread % 4 * 2; }
 constexpr int AccRowStep(int v) { return 8 * ((v >> 1) & 1); }
 constexpr int AccColStep(int v) { return 8 * (v >> 2); }
+
+// What a consumer warpgroup's accumulators hold of a tile: 64 rows from row0 and kCols =
+// 2 size(acc) columns, all 256 of the tile's or (a split tile, MmaTileSplit) its part `part`.
+struct WarpgroupPart {
+  int64_t row0;
+  int part;
+};
+
+template <class Accum>
+constexpr int AccCols() {
+  return 2 * decltype(cute::size(std::declval<Accum>()))::value;
+}
 
 // Where 16-byte chunk c of staging row r sits: at chunk c ^ (r % 8), so that the 8 rows of a
 // warp's accumulator store and the 4 rows of a warp's 16-byte reads each meet 32 distinct banks.
@@ -86,19 +100,21 @@ __device__ __forceinline__ void StagePass(bf16_t* stage, int wg_thread, uint32_t
 // bf16 tiles (kStore, kSwiGLU) through the staging tile, 64 columns at a time.
 template <class Kind, class Smem, class Accum>
 __device__ __forceinline__ void StageAndStore(const GemmParams& p, const GemmTile& tile,
-                                              Smem& smem, int thread, const Accum& acc) {
+                                              Smem& smem, int thread, WarpgroupPart part,
+                                              const Accum& acc) {
   using C = GemmConfig;
   constexpr Epilogue kEpi = Kind::kEpi;
+  constexpr int kCols = AccCols<Accum>();
   const int wg = thread / 128, wg_thread = thread % 128;
   const uint32_t barrier = 2 + wg;
   bf16_t* stage = smem.stage[wg];
-  const int64_t row0 = tile.m0 + wg * kWarpgroupRows;
+  const int64_t row0 = part.row0;
   if constexpr (kEpi == Epilogue::kStore) {
-    const int64_t col0 = int64_t{tile.n_tile} * C::kBlockN;
+    const int64_t col0 = int64_t{tile.n_tile} * C::kBlockN + part.part * kCols;
     auto* out0 = static_cast<__nv_bfloat16*>(p.out0);
     auto* out1 = static_cast<__nv_bfloat16*>(p.out1);
     CUTE_UNROLL
-    for (int pass = 0; pass < C::kBlockN / kStageCols; ++pass) {
+    for (int pass = 0; pass < kCols / kStageCols; ++pass) {
       StagePass(stage, wg_thread, barrier, row0, tile.m_end,
                 [&](int u) { return PackBf16(acc(32 * pass + u), acc(32 * pass + u + 1)); },
                 [&](int chunk) -> ChunkDst {
@@ -110,10 +126,12 @@ __device__ __forceinline__ void StageAndStore(const GemmParams& p, const GemmTil
     }
   } else {
     static_assert(kEpi == Epilogue::kSwiGLU);
-    // Accumulator columns [0, 128) are gate, [128, 256) up: value v + 64 is the up partner of
-    // gate value v. gu gets [g | u] (gate columns at col0, up columns at n + col0), h gets
-    // silu(g) * u from the f32 values.
-    const int64_t col0 = int64_t{tile.n_tile} * (C::kBlockN / 2);
+    // Accumulator columns [0, kCols / 2) are gate, the rest up: value v + kCols / 4 is the up
+    // partner of gate value v. gu gets [g | u] (gate columns at col0, up columns at n + col0),
+    // h gets silu(g) * u from the f32 values.
+    constexpr int kHalfPasses = kCols / 2 / kStageCols;
+    constexpr int kUp = kCols / 4;
+    const int64_t col0 = int64_t{tile.n_tile} * (C::kBlockN / 2) + part.part * (kCols / 2);
     auto* gu = static_cast<__nv_bfloat16*>(p.out0);
     auto* h = static_cast<__nv_bfloat16*>(p.out1);
     // gu null: gu is not kept (the forward with Config.recompute, or not differentiated), so
@@ -122,22 +140,22 @@ __device__ __forceinline__ void StageAndStore(const GemmParams& p, const GemmTil
     // barrier still orders this tile's staging after the previous tile's reads.
     if (gu != nullptr) {
       CUTE_UNROLL
-      for (int pass = 0; pass < C::kBlockN / kStageCols; ++pass) {
-        const int64_t half_base = pass < 2 ? 0 : p.n;  // gate or up half of a gu row
+      for (int pass = 0; pass < kCols / kStageCols; ++pass) {
+        const int64_t half_base = pass < kHalfPasses ? 0 : p.n;  // gate or up half of a gu row
         StagePass(stage, wg_thread, barrier, row0, tile.m_end,
                   [&](int u) { return PackBf16(acc(32 * pass + u), acc(32 * pass + u + 1)); },
                   [&](int chunk) -> ChunkDst {
-                    const int64_t col = col0 + (pass % 2) * kStageCols + chunk * 8;
+                    const int64_t col = col0 + (pass % kHalfPasses) * kStageCols + chunk * 8;
                     return {col < p.n ? gu + half_base + col : nullptr, 2 * int64_t{p.n}};
                   });
       }
     }
     CUTE_UNROLL
-    for (int pass = 0; pass < C::kBlockN / 2 / kStageCols; ++pass) {
+    for (int pass = 0; pass < kHalfPasses; ++pass) {
       StagePass(stage, wg_thread, barrier, row0, tile.m_end,
                 [&](int u) {
                   const int v = 32 * pass + u;
-                  return PackBf16(Silu(acc(v)) * acc(v + 64), Silu(acc(v + 1)) * acc(v + 65));
+                  return PackBf16(Silu(acc(v)) * acc(v + kUp), Silu(acc(v + 1)) * acc(v + kUp + 1));
                 },
                 [&](int chunk) -> ChunkDst {
                   const int64_t col = col0 + pass * kStageCols + chunk * 8;
@@ -157,9 +175,10 @@ __device__ __forceinline__ void StageAndStore(const GemmParams& p, const GemmTil
 // samples outside the mainloop, waiting on gu).
 template <class Smem, class Accum>
 __device__ __forceinline__ void SwiGLUBwdStaged(const GemmParams& p, const GemmTile& tile,
-                                                Smem& smem, int thread, const Accum& acc) {
+                                                Smem& smem, int thread, WarpgroupPart part,
+                                                const Accum& acc) {
   constexpr int kCols = 32;  // g and u, 64 rows x 32 columns each, fill the 8 KB staging tile
-  constexpr int kPasses = GemmConfig::kBlockN / kCols;
+  constexpr int kPasses = AccCols<Accum>() / kCols;
   const int wg = thread / 128, wg_thread = thread % 128;
   const uint32_t barrier = 2 + wg;
   const uint32_t g_s = SmemAddr(smem.stage[wg]);
@@ -170,9 +189,10 @@ __device__ __forceinline__ void SwiGLUBwdStaged(const GemmParams& p, const GemmT
   // The copies: this thread moves 16-byte chunk cc of the pass in rows r1 and r1 + 32 of the
   // warpgroup's 64-row slab, of g and of u (q = 0, 1: g; 2, 3: u).
   const int r1 = wg_thread / 4, cc = wg_thread % 4;
-  const int64_t row0 = tile.m0 + wg * kWarpgroupRows;
+  const int64_t row0 = part.row0;
   const bool row_in[2] = {row0 + r1 < tile.m_end, row0 + r1 + 32 < tile.m_end};
-  const int col0 = tile.n_tile * GemmConfig::kBlockN + 8 * cc;  // this thread's chunk, pass 0
+  // This thread's chunk, pass 0.
+  const int col0 = tile.n_tile * GemmConfig::kBlockN + part.part * AccCols<Accum>() + 8 * cc;
   // Byte offset of element (row, 8 chunk) of a (64, 32) array: chunks swizzled by row / 2, so
   // that both the 16-byte copies and the 4-byte accesses at accumulator positions are free of
   // bank conflicts.
@@ -250,12 +270,13 @@ __device__ __forceinline__ void SwiGLUBwdStaged(const GemmParams& p, const GemmT
 // backward's largest output (qwen3_30b: 1 GB), is written by this epilogue.
 template <class Smem, class Accum>
 __device__ __forceinline__ void StageAndStoreF32(const GemmParams& p, const GemmTile& tile,
-                                                 Smem& smem, int thread, const Accum& acc) {
+                                                 Smem& smem, int thread, WarpgroupPart part,
+                                                 const Accum& acc) {
   constexpr int kCols = 32;
   const int wg = thread / 128, wg_thread = thread % 128;
   const uint32_t barrier = 2 + wg;
   const uint32_t base = SmemAddr(smem.stage[wg]);
-  const int64_t row0 = tile.m0 + wg * kWarpgroupRows;
+  const int64_t row0 = part.row0;
   float* out = static_cast<float*>(p.out0);
   // Byte offset of 16-byte chunk q (4 columns) of staging row r. Pairs of chunks are swizzled
   // by r % 4: the four rows of a half-warp's 8-byte stores (32 bytes each) meet distinct banks.
@@ -265,7 +286,7 @@ __device__ __forceinline__ void StageAndStoreF32(const GemmParams& p, const Gemm
   const int r0 = AccRow(wg_thread), c0 = AccCol(wg_thread);
   const int chunk = wg_thread % 8, r1 = wg_thread / 8;  // the copy: chunk of rows r1 + 16 q
   CUTE_UNROLL
-  for (int pass = 0; pass < GemmConfig::kBlockN / kCols; ++pass) {
+  for (int pass = 0; pass < AccCols<Accum>() / kCols; ++pass) {
     NamedBarrierSync(barrier, 128);  // the warpgroup's copies out of the last pass are done
     CUTE_UNROLL
     for (int j = 0; j < 8; ++j) {  // this thread's values v, v + 1 of the pass
@@ -274,7 +295,8 @@ __device__ __forceinline__ void StageAndStoreF32(const GemmParams& p, const Gemm
       StoreShared64(base + at(r0 + AccRowStep(v), col / 4) + (col % 4) * 4, acc(v), acc(v + 1));
     }
     NamedBarrierSync(barrier, 128);
-    const int64_t col = int64_t{tile.n_tile} * GemmConfig::kBlockN + kCols * pass + 4 * chunk;
+    const int64_t col = int64_t{tile.n_tile} * GemmConfig::kBlockN +
+                        part.part * AccCols<Accum>() + kCols * pass + 4 * chunk;
     if (col < p.n) {
       CUTE_UNROLL
       for (int q = 0; q < kWarpgroupRows / 16; ++q) {
@@ -294,14 +316,16 @@ __device__ __forceinline__ void StageAndStoreF32(const GemmParams& p, const Gemm
 // nothing to store; rows and columns past the tensor are clipped by TMA.
 template <class Smem, class Accum>
 __device__ __forceinline__ void StoreTileTma(const GemmParams& p, const GemmTile& tile,
-                                             Smem& smem, int thread, const Accum& acc) {
+                                             Smem& smem, int thread, WarpgroupPart part,
+                                             const Accum& acc) {
   using C = GemmConfig;
   constexpr int kBoxes = C::kBlockN / kTmaStoreCols;
   constexpr uint32_t kBoxBytes = kWarpgroupRows * kTmaStoreCols * 2;  // 4 KB, 512-byte aligned
   static_assert(sizeof(smem.stage[0]) == kBoxes * kBoxBytes, "a warpgroup's whole slab");
   const int wg = thread / 128, wg_thread = thread % 128;
   const uint32_t barrier = 2 + wg;
-  const int64_t row0 = tile.m0 + wg * kWarpgroupRows;
+  static_assert(AccCols<Accum>() == C::kBlockN, "weight-gradient tiles are never split");
+  const int64_t row0 = part.row0;
   if (row0 >= tile.m_end) return;  // uniform over the warpgroup
   const uint32_t base = SmemAddr(smem.stage[wg]);
   const bool storer = wg_thread == 0;
@@ -333,22 +357,23 @@ __device__ __forceinline__ void StoreTileTma(const GemmParams& p, const GemmTile
   }
 }
 
-// thread: index among the 256 consumer threads; acc: its (128, 256) tile fragment.
+// thread: index among the 256 consumer threads; acc: its warpgroup's part of the tile.
 template <class Kind, class Smem, class Accum>
 __device__ __forceinline__ void StoreTile(const GemmParams& p, const GemmTile& tile,
-                                          Smem& smem, int thread, const Accum& acc) {
-  using namespace cute;
+                                          Smem& smem, int thread, WarpgroupPart part,
+                                          const Accum& acc) {
   constexpr Epilogue kEpi = Kind::kEpi;
-  static_assert(decltype(size(acc))::value == 128, "one 64 x 256 wgmma atom per thread");
+  static_assert(AccCols<Accum>() == 256 || AccCols<Accum>() == 128,
+                "a 64 x 256 or 64 x 128 wgmma atom per warpgroup");
   if constexpr (Kind::kTmaStore) {
-    StoreTileTma(p, tile, smem, thread, acc);
+    StoreTileTma(p, tile, smem, thread, part, acc);
   } else if constexpr (kEpi == Epilogue::kStoreF32) {
-    StageAndStoreF32(p, tile, smem, thread, acc);
+    StageAndStoreF32(p, tile, smem, thread, part, acc);
   } else if constexpr (kEpi == Epilogue::kSwiGLUBwd) {
-    SwiGLUBwdStaged(p, tile, smem, thread, acc);
+    SwiGLUBwdStaged(p, tile, smem, thread, part, acc);
   } else {
     static_assert(Kind::kSched == Schedule::kRowsByGroup, "grouped outputs are TMA-stored");
-    StageAndStore<Kind>(p, tile, smem, thread, acc);
+    StageAndStore<Kind>(p, tile, smem, thread, part, acc);
   }
 }
 

@@ -145,7 +145,9 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
   // The tile of slot i at linear index `linear` (the producer's to compute).
   auto schedule = [&](auto slot, int64_t linear) __attribute__((always_inline)) {
     const GemmParams& p = c.gemm[decltype(slot)::value];
-    return ScheduleTile<kSched, Kind0::kBlockK>(
+    using Kind = SlotKind<Kind0, Kind1, decltype(slot)::value>;
+    constexpr int kTileCols = Kind::kEpi == Epilogue::kSwiGLU ? C::kBlockN / 2 : C::kBlockN;
+    return ScheduleTile<kSched, Kind0::kBlockK, kTileCols>(
         p, p.offsets ? smem.offsets : nullptr, p.offsets ? tile_start : nullptr,
         kSched == Schedule::kGroupedK && p.offsets && p.row_tokens ? smem.used_end : nullptr,
         linear - cs.first_tile[decltype(slot)::value]);
@@ -195,23 +197,51 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
       const GemmTile tile = cs.slot_tile[slot];
       BarrierArrive(&cs.slot_empty[slot]);
       if (i < 0) break;
-      auto acc = cute::partition_fragment_C(
-          typename GemmLayouts<Kind0>::TiledMma{},
-          cute::Shape<cute::Int<C::kBlockM>, cute::Int<C::kBlockN>>{});
-      const bool idle = tile.half && warpgroup == 2;
-      MmaTile<Kind0>(tile, smem, thread, idle, acc, it);
-      WithSlot<kSlots>(i, [&](auto s) __attribute__((always_inline)) {
+      const int wg = warpgroup - 1;
+      // After a tile's stores: if another slot reads these rows with TMA, publish them once all
+      // 256 threads' stores are visible to the async proxy at GPU scope.
+      auto publish = [&](auto s) __attribute__((always_inline)) {
         constexpr int kSlot = decltype(s)::value;
-        if (!idle) StoreTile<SlotKind<Kind0, Kind1, kSlot>>(c.gemm[kSlot], tile, smem, thread, acc);
         if (!Kind0::kTmaStore && c.ready_base[kSlot] >= 0) {
-          // Another slot reads these rows with TMA: publish them once all 256 threads' stores
-          // are visible to the async proxy at GPU scope.
           FenceProxyAsyncGlobal();
           __threadfence();
           NamedBarrierSync(1, 128 * C::kConsumerWarpgroups);
           if (thread == 0) AddRelease(c.ready + c.ready_base[kSlot] + tile.row_tile, 1);
         }
-      });
+      };
+      if (!tile.split()) {
+        auto acc = cute::partition_fragment_C(
+            typename GemmLayouts<Kind0>::TiledMma{},
+            cute::Shape<cute::Int<C::kBlockM>, cute::Int<C::kBlockN>>{});
+        MmaTile<Kind0>(tile, smem, thread, acc, it);
+        WithSlot<kSlots>(i, [&](auto s) __attribute__((always_inline)) {
+          constexpr int kSlot = decltype(s)::value;
+          StoreTile<SlotKind<Kind0, Kind1, kSlot>>(
+              c.gemm[kSlot], tile, smem, thread, {tile.m0 + wg * kWarpgroupRows, 0}, acc);
+          publish(s);
+        });
+      } else if constexpr (kSched == Schedule::kRowsByGroup) {
+        // Half: both warpgroups on the 64 rows, one column part each. Narrow: each on its own
+        // 64 rows, column part 0. (Both: the second part is out of range; its stores are
+        // skipped.)
+        const int a_block = tile.half ? 0 : wg, part = tile.half ? wg : 0;
+        auto acc = cute::partition_fragment_C(
+            typename SplitLayouts<Kind0>::TiledMma{},
+            cute::Shape<cute::Int<kWarpgroupRows>, cute::Int<C::kBlockN / 2>>{});
+        if (std::is_same_v<typename SplitLayouts<Kind0>::PartB,
+                           typename SplitLayouts<Kind1>::PartB> || i < 2) {
+          MmaTileSplit<Kind0>(tile, smem, thread % 128, a_block, part, acc, it);
+        } else {
+          MmaTileSplit<Kind1>(tile, smem, thread % 128, a_block, part, acc, it);
+        }
+        WithSlot<kSlots>(i, [&](auto s) __attribute__((always_inline)) {
+          constexpr int kSlot = decltype(s)::value;
+          StoreTile<SlotKind<Kind0, Kind1, kSlot>>(
+              c.gemm[kSlot], tile, smem, thread,
+              {tile.m0 + a_block * kWarpgroupRows, part}, acc);
+          publish(s);
+        });
+      }
     }
     // The staging must outlive the last TMA stores' reads of it.
     if (Kind0::kTmaStore && thread % 128 == 0) BulkWaitAll();

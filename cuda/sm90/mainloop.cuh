@@ -117,44 +117,20 @@ __device__ __forceinline__ void LoadTile(const GemmParams& p, const GemmTile& ti
   }
 }
 
-// Consumers: accumulate the (128, 256) tile; each warpgroup owns 64 rows of it. `thread` is the
-// index among the 256 consumer threads; `it` as in LoadTile. An idle warpgroup (the second one
-// of a half tile) multiplies nothing but still releases each stage after it has landed, so that
-// both warpgroups' arrivals on `empty` stay in step.
-//
-// NOTES: a phase-parity wait is only sound if no waiter falls two phases behind. In the active
-// loop the warpgroup-collective wgmma keeps its four warps together; the idle loop has no
-// wgmma, so a named barrier does (without it, a warp that slept through a refill of its stage
-// waited for the wrong phase and the kernel hung).
-template <class Kind, class Smem, class Accum>
-__device__ __forceinline__ void MmaTile(const GemmTile& tile, Smem& smem, int thread,
-                                        bool idle, Accum& acc, uint32_t& it) {
+// The k-steps of one tile for a consumer warpgroup: its A and B fragments (MMA, MMA_M|N,
+// MMA_K, PIPE) into acc. `it` as in LoadTile; `releaser` frees each stage for the producer.
+template <class Kind, class Mma, class FragA, class FragB, class Smem, class Accum>
+__device__ __forceinline__ void MmaSteps(Mma& mma, const FragA& tCrA, const FragB& tCrB,
+                                         Smem& smem, int num_k, bool releaser, Accum& acc,
+                                         uint32_t& it) {
   using namespace cute;
-  using C = GemmConfig;
-  using L = GemmLayouts<Kind>;
-  Tensor sA = make_tensor(make_smem_ptr(&smem.a[0][0]), typename L::SmemA{});  // (BM, BK, PIPE)
-  Tensor sB = make_tensor(make_smem_ptr(&smem.b[0][0]), typename L::SmemB{});  // (BN, BK, PIPE)
-  typename L::TiledMma mma;
-  auto thr = mma.get_thread_slice(thread);
-  Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // (MMA, MMA_M, MMA_K, PIPE)
-  Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));  // (MMA, MMA_N, MMA_K, PIPE)
-  if (tile.num_k == 0) {  // an empty group: its weight gradient is zero
+  if (num_k == 0) {  // an empty group: its weight gradient is zero
     clear(acc);
-    return;
-  }
-  const bool releaser = thread % 128 == 0;
-  if (idle) {
-    for (int kt = 0; kt < tile.num_k; ++kt, ++it) {
-      const int s = it % Kind::kStages;
-      BarrierWait(&smem.full[s], (it / Kind::kStages) & 1);
-      NamedBarrierSync(2 + thread / 128, 128);  // all four warps saw this phase
-      if (releaser) BarrierArrive(&smem.empty[s]);
-    }
     return;
   }
   mma.accumulate_ = GMMA::ScaleOut::Zero;
   int previous = 0;
-  for (int kt = 0; kt < tile.num_k; ++kt, ++it) {
+  for (int kt = 0; kt < num_k; ++kt, ++it) {
     const int s = it % Kind::kStages;
     BarrierWait(&smem.full[s], (it / Kind::kStages) & 1);
     warpgroup_fence_operand(acc);
@@ -174,6 +150,61 @@ __device__ __forceinline__ void MmaTile(const GemmTile& tile, Smem& smem, int th
   warpgroup_wait<0>();
   warpgroup_fence_operand(acc);
   if (releaser) BarrierArrive(&smem.empty[previous]);  // the producer may refill it now
+}
+
+// Consumers: accumulate the (128, 256) tile; each warpgroup owns 64 rows of it. `thread` is the
+// index among the 256 consumer threads.
+template <class Kind, class Smem, class Accum>
+__device__ __forceinline__ void MmaTile(const GemmTile& tile, Smem& smem, int thread,
+                                        Accum& acc, uint32_t& it) {
+  using namespace cute;
+  using L = GemmLayouts<Kind>;
+  Tensor sA = make_tensor(make_smem_ptr(&smem.a[0][0]), typename L::SmemA{});  // (BM, BK, PIPE)
+  Tensor sB = make_tensor(make_smem_ptr(&smem.b[0][0]), typename L::SmemB{});  // (BN, BK, PIPE)
+  typename L::TiledMma mma;
+  auto thr = mma.get_thread_slice(thread);
+  Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // (MMA, MMA_M, MMA_K, PIPE)
+  Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));  // (MMA, MMA_N, MMA_K, PIPE)
+  MmaSteps<Kind>(mma, tCrA, tCrB, smem, tile.num_k, thread % 128 == 0, acc, it);
+}
+
+// A split tile, for tiles with at most 64 rows (half) or at most half of their columns (narrow)
+// in range: each warpgroup multiplies 64 rows of the stage's A (row block `a_block`) by 128 of
+// its B columns (part `part`), so no wgmma runs on rows or columns that are all padding. Part
+// p of kSwiGLU's B, [w_gate 128 | w_up 128], is gate panel p and up panel p (a warpgroup
+// needs a column's g and u); of the others, columns [128 p, 128 p + 128).
+//
+// NOTES: before, the second warpgroup of a half tile idled while the first multiplied 64 x
+// 256, so a half tile took as long as a full one (Config(block_m=64) within 3% of 128).
+template <class Kind>
+struct SplitLayouts {
+  using TiledMma = decltype(cute::make_tiled_mma(
+      cute::SM90_64x128x16_F32BF16BF16_SS<Kind::kMajorA, Kind::kMajorB>{}));
+  using PartB = std::conditional_t<
+      Kind::kEpi == Epilogue::kSwiGLU,
+      cute::Layout<cute::Shape<cute::_64, cute::_2>, cute::Stride<cute::_1, cute::_128>>,
+      cute::Layout<cute::_128>>;
+};
+
+// `wg_thread`: the index in the warpgroup.
+template <class Kind, class Smem, class Accum>
+__device__ __forceinline__ void MmaTileSplit(const GemmTile& tile, Smem& smem, int wg_thread,
+                                             int a_block, int part, Accum& acc, uint32_t& it) {
+  using namespace cute;
+  using L = GemmLayouts<Kind>;
+  using S = SplitLayouts<Kind>;
+  Tensor sA = make_tensor(make_smem_ptr(&smem.a[0][0]), typename L::SmemA{});
+  Tensor sB = make_tensor(make_smem_ptr(&smem.b[0][0]), typename L::SmemB{});
+  // (64, BK, PIPE) and (128, BK, PIPE): whole swizzle atoms (8 K-major rows, 64 MN-major
+  // columns) of the stages, so the wgmma descriptors of the parts are canonical.
+  Tensor sA_part = logical_divide(sA, make_tile(Layout<_64>{}))(make_coord(_, a_block), _, _);
+  Tensor sB_part =
+      logical_divide(sB, make_tile(typename S::PartB{}))(make_coord(_, part), _, _);
+  typename S::TiledMma mma;
+  auto thr = mma.get_thread_slice(wg_thread);
+  Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA_part));
+  Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB_part));
+  MmaSteps<Kind>(mma, tCrA, tCrB, smem, tile.num_k, wg_thread == 0, acc, it);
 }
 
 }  // namespace mok::sm90

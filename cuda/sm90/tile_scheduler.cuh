@@ -23,7 +23,10 @@ struct GemmTile {
   int64_t k_begin;  // kGroupedK: first routed row of the group
   int num_k;        // k-steps of the GemmKind's kBlockK
   int row_tile;     // kRowsByGroup: the row tile among all groups' (ScanGroupTiles numbering)
-  bool half;        // only rows [m0, m0 + 64) are the group's: the second warpgroup idles
+  bool half;        // only rows [m0, m0 + 64) are the group's
+  bool narrow;      // only the first half of the tile's columns are in range
+  // Half and narrow tiles are split (MmaTileSplit): a warpgroup multiplies 64 x 128.
+  __host__ __device__ bool split() const { return half || narrow; }
 };
 
 // An upper bound on the linear tiles of one GEMM, known on the host (it sizes the grid);
@@ -108,14 +111,16 @@ __device__ __forceinline__ RasterPos Raster(int64_t local, int64_t rows, int col
 
 // offsets, tile_start: the groups' offsets and ScanGroupTiles in shared memory, or null (one
 // group); used_end (kGroupedK): UsedRowEnds in shared memory, or null (the padded ends).
-// `linear` < TileCount (the launch's queue hands out no other).
-template <Schedule kSched, int kBlockK>
+// `linear` < TileCount (the launch's queue hands out no other). kTileCols: the output columns
+// of a column tile (kSwiGLU: of h).
+template <Schedule kSched, int kBlockK, int kTileCols>
 __device__ __forceinline__ GemmTile ScheduleTile(const GemmParams& p, const int32_t* offsets,
                                                  const int32_t* tile_start,
                                                  const int32_t* used_end, int64_t linear) {
   using C = GemmConfig;
   GemmTile t;
   t.half = false;
+  t.narrow = false;
   t.k_begin = 0;
   t.group = 0;
   if constexpr (kSched == Schedule::kRowsByGroup) {
@@ -138,6 +143,7 @@ __device__ __forceinline__ GemmTile ScheduleTile(const GemmParams& p, const int3
     t.m0 = (offsets ? offsets[t.group] : 0) + pos.row * C::kBlockM;
     t.m_end = offsets ? offsets[t.group + 1] : p.m_total;
     t.half = offsets && t.m_end - t.m0 <= C::kBlockM / 2;
+    t.narrow = p.n - t.n_tile * kTileCols <= kTileCols / 2;
     t.num_k = p.k / kBlockK;
   } else {
     const int64_t per_group = int64_t{p.m_tiles} * p.n_tiles;
