@@ -1,0 +1,105 @@
+"""One build's figures for tools/ab/run.sh: per bench shape, the bits of y and every gradient
+(sha1), the GPU time of each kernel in a forward+backward (jax.profiler, five calls), and the
+wall-clock medians of the forward and of forward+backward (a call and a synchronisation, as
+the bench times them). Usage: python tools/ab/measure.py NAME SHAPES (bench shapes, or tiny);
+MOK_AB_BACKEND (default cuda) picks the backend, e.g. xla for a smoke run on a CPU."""
+
+import collections
+import glob
+import gzip
+import hashlib
+import json
+import os
+import re
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import mok_jax
+from mok_jax.bench import shapes as bench_shapes
+
+
+def inputs(shape, seed):
+  T, H, I, E, k = shape
+  keys = iter(jax.random.split(jax.random.key(seed), 8))
+
+  def bf(*dims, scale=1.0):
+    return (jax.random.normal(next(keys), dims, jnp.float32) * scale).astype(jnp.bfloat16)
+
+  x = bf(T, H)
+  w = (bf(E, H, I, scale=H**-0.5), bf(E, H, I, scale=H**-0.5), bf(E, I, H, scale=I**-0.5))
+  experts, weights = mok_jax.route(jax.random.normal(next(keys), (T, E), jnp.float32), k)
+  return x, experts, weights, w, bf(T, H)
+
+
+def kernel_ms(f, args, tag):
+  """GPU ms per call of each kernel of f(*args), summed over its launches."""
+  path = f"/tmp/ab_trace_{tag}"
+  with jax.profiler.trace(path):
+    for _ in range(5):
+      jax.block_until_ready(f(*args))
+  trace = json.load(gzip.open(sorted(glob.glob(f"{path}/**/*.trace.json.gz", recursive=True))[-1]))
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+         and "GPU" in str(e.get("args", {}).get("name", ""))}
+  streams = {(e["pid"], e["tid"]) for e in events if e.get("ph") == "M"
+             and e.get("name") == "thread_name" and e.get("pid") in gpu
+             and "Stream" in str(e["args"].get("name", ""))}
+  total = collections.Counter()
+  for e in events:
+    if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams:
+      total[e["name"]] += e["dur"] / 5 / 1e3
+  return total
+
+
+def short(kernel):
+  """GemmChainKernel<GemmKind<Major A, Major B, Epilogue, Schedule>...> -> gemm<A B epi sched>."""
+  if "GemmChainKernel" in kernel:
+    return "gemm" + "".join(re.findall(r"\)(\d+)", kernel)[:4])
+  return kernel.split("(")[0].split("<")[0].replace("void ", "").replace("mok::sm90::", "")
+
+
+def main(argv):
+  name, names = argv[0], argv[1].split(",")
+  backend = os.environ.get("MOK_AB_BACKEND", "cuda")
+  for shape_name in names:
+    shape = {s.name: s for s in (*bench_shapes.SHAPES.values(), *bench_shapes.TINY)}[shape_name].dims
+    x, experts, weights, (wg, wu, wd), dy = inputs(shape, seed=1)
+
+    def fwd(x, weights, wg, wu, wd):
+      return mok_jax.moe(x, experts, weights, wg, wu, wd, backend=backend)
+
+    def step(x, weights, wg, wu, wd):
+      y, pull = jax.vjp(fwd, x, weights, wg, wu, wd)
+      return y, pull(dy)
+
+    args = (x, weights, wg, wu, wd)
+    f_fwd, f_step = jax.jit(fwd), jax.jit(step)
+    y, grads = f_step(*args)
+    bits = " ".join(f"{n}={hashlib.sha1(np.asarray(a.astype(jnp.float32)).tobytes()).hexdigest()[:10]}"
+                    for n, a in zip(("y", "dx", "dweights", "dw_gate", "dw_up", "dw_down"),
+                                    (y, *grads)))
+    print(f"{name} {shape_name} bits {bits}", flush=True)
+    del y, grads
+    for mode, f in (("fwd", f_fwd), ("fwd+bwd", f_step)):
+      end = time.perf_counter() + 1.0
+      while time.perf_counter() < end:
+        jax.block_until_ready(f(*args))
+      walls = []
+      for _ in range(30):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        walls.append(time.perf_counter() - t0)
+      print(f"{name} {shape_name} wall {mode} {np.median(walls) * 1e3:.3f} ms", flush=True)
+    kernels = collections.Counter()
+    for kernel, ms in kernel_ms(f_step, args, f"{name}_{shape_name}").items():
+      kernels[short(kernel)] += ms
+    print(f"{name} {shape_name} kernels ms " + " ".join(
+        f"{k}={v:.3f}" for k, v in kernels.most_common(8)), flush=True)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

@@ -1,0 +1,45 @@
+#!/bin/bash
+# On the device machine: builds each export of runs/ab (tools/ab/export.sh) into /tmp/ab/<name>
+# with `pip install --target`, checks that each imports from there, then runs
+# tools/ab/measure.py for every build in turn, a fresh process each, ROUNDS times (default 2).
+# Usage: bash tools/ab/run.sh SHAPES (e.g. gptoss_120b,dsv3); logs under $OUT.
+#
+# NOTES: an editable install of mok_jax (pip install -e) puts an import finder in front of
+# PYTHONPATH: with one present, every name measured that one build (2026-11-30). It is
+# uninstalled first; do not make one in the same call.
+set -uo pipefail
+shapes=${1:?shapes}
+rounds=${ROUNDS:-2}
+python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD/.whl/stub XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+python3 -m pip uninstall -y -q mok_jax > /dev/null 2>&1
+names=$(ls runs/ab)
+for v in $names; do
+  (MOK_CUDA=ON python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/ab/$v \
+     runs/ab/$v > $OUT/build_$v.log 2>&1) &
+done
+wait
+for v in $names; do
+  where=$(cd /tmp && PYTHONPATH=/tmp/ab/$v:$PYTHONPATH python3 -c \
+          "import mok_jax._mok_cuda as m; print(m.__file__)" 2>&1)
+  case $where in
+    /tmp/ab/$v/*) ;;
+    *) echo "$v does not import from /tmp/ab/$v: $where"; tail -5 $OUT/build_$v.log; exit 1 ;;
+  esac
+done
+for r in $(seq $rounds); do
+  for v in $names; do
+    PYTHONPATH=/tmp/ab/$v:$PYTHONPATH timeout 300 python3 tools/ab/measure.py $v $shapes \
+      2> $OUT/measure_${v}_$r.err | tee -a $OUT/ab.log
+  done
+done
+python3 - "$OUT/ab.log" <<'PY'
+import collections, sys
+digests = collections.defaultdict(set)
+for line in open(sys.argv[1]):
+  f = line.split()
+  if len(f) > 3 and f[2] == "bits":
+    digests[f[1]].add(" ".join(f[3:]))
+for shape, d in digests.items():
+  print(f"bits {shape}: {'the same in every build' if len(d) == 1 else 'DIFFER'}")
+PY
