@@ -12,27 +12,15 @@ import json
 import os
 import re
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import mok_jax
+from mok_jax.bench import inputs as bench_inputs
 from mok_jax.bench import shapes as bench_shapes
-
-
-def inputs(shape, seed):
-  T, H, I, E, k = shape
-  keys = iter(jax.random.split(jax.random.key(seed), 8))
-
-  def bf(*dims, scale=1.0):
-    return (jax.random.normal(next(keys), dims, jnp.float32) * scale).astype(jnp.bfloat16)
-
-  x = bf(T, H)
-  w = (bf(E, H, I, scale=H**-0.5), bf(E, H, I, scale=H**-0.5), bf(E, I, H, scale=I**-0.5))
-  experts, weights = mok_jax.route(jax.random.normal(next(keys), (T, E), jnp.float32), k)
-  return x, experts, weights, w, bf(T, H)
+from mok_jax.bench import timing
 
 
 def kernel_ms(f, args, tag):
@@ -66,8 +54,10 @@ def main(argv):
   name, names = argv[0], argv[1].split(",")
   backend = os.environ.get("MOK_AB_BACKEND", "cuda")
   for shape_name in names:
-    shape = {s.name: s for s in (*bench_shapes.SHAPES.values(), *bench_shapes.TINY)}[shape_name].dims
-    x, experts, weights, (wg, wu, wd), dy = inputs(shape, seed=1)
+    shape = {s.name: s for s in (*bench_shapes.SHAPES.values(), *bench_shapes.TINY)}[shape_name]
+    (wg, wu, wd, _), sets = bench_inputs.jax_inputs(shape, jnp.bfloat16, seed=0, skew=0.0,
+                                                    n_sets=1)
+    x, experts, weights, dy = sets[0]
 
     def fwd(x, weights, wg, wu, wd):
       return mok_jax.moe(x, experts, weights, wg, wu, wd, backend=backend)
@@ -85,15 +75,11 @@ def main(argv):
     print(f"{name} {shape_name} bits {bits}", flush=True)
     del y, grads
     for mode, f in (("fwd", f_fwd), ("fwd+bwd", f_step)):
-      end = time.perf_counter() + 1.0
-      while time.perf_counter() < end:
-        jax.block_until_ready(f(*args))
-      walls = []
-      for _ in range(30):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        walls.append(time.perf_counter() - t0)
-      print(f"{name} {shape_name} wall {mode} {np.median(walls) * 1e3:.3f} ms", flush=True)
+      seconds, _ = timing.repeat(timing.wall_clock(lambda i, f=f: f(*args), jax.block_until_ready),
+                                 n_sets=1, warmup=3, warmup_s=1.0, reps=30, min_reps=30,
+                                 budget_s=60.0)
+      median = timing.summarize(seconds)["median"]
+      print(f"{name} {shape_name} wall {mode} {median:.3f} ms", flush=True)
     kernels = collections.Counter()
     for kernel, ms in kernel_ms(f_step, args, f"{name}_{shape_name}").items():
       kernels[short(kernel)] += ms
