@@ -20,7 +20,7 @@ import textwrap
 import pytest
 
 from mok_jax.bench import __main__ as bench_main
-from mok_jax.bench import report, runner, shapes, timing
+from mok_jax.bench import jobs, report, runner, shapes, timing
 from mok_jax.bench.shapes import SKIP_ENV
 
 
@@ -34,7 +34,8 @@ def expected_flops(T, H, I, E, k, Is, mode):
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OK_FIELDS = ("run_id", "date", "impl", "group", "mode", "status", "device", "platform", "dtype",
              "shape", "T", "H", "I", "E", "k", "Is", "flops", "ms", "tflops", "pct_of_peak",
-             "compile_s", "machine", "versions", "check", "check_result", "load")
+             "compile_s", "machine", "versions", "check", "check_result", "load", "ms_b2b",
+             "timing_b2b", "tflops_b2b", "peak_mem_bytes")
 FAILED_STATUSES = ("oom", "error", "unavailable", "timeout", "crashed")
 
 FAKE_TOKAMAX = '''
@@ -125,6 +126,10 @@ def test_tiny_records_have_every_figure(tiny_run):
         assert 0 < ms["min"] <= ms["p25"] <= ms["median"] <= ms["p75"] <= ms["max"]
         assert ms["n"] >= 2 and r["compile_s"] >= 0
         assert r["tflops"] == pytest.approx(r["flops"] / (ms["median"] * 1e-3) / 1e12)
+        b2b = r["ms_b2b"]
+        assert 0 < b2b["min"] <= b2b["median"] <= b2b["max"] and b2b["n"] >= 2
+        assert r["timing_b2b"]["calls_per_sample"] >= 1
+        assert r["tflops_b2b"] == pytest.approx(r["flops"] / (b2b["median"] * 1e-3) / 1e12)
         assert r["pct_of_peak"] > 0
         assert r["speedup_vs_best_peer"] > 0 and r["best_peer"] in ("jax.ragged_dot",
                                                                      "tokamax.ragged_dot")
@@ -516,6 +521,33 @@ def test_derive_speedup_peak_and_checks():
   assert "tflops" not in got["jax.ragged_dot"]
   text = report.table(report.derive(records))
   assert "out of memory [" in text and "disagree with mok_jax:xla" in text
+
+
+def test_back_to_back_figures_and_failure():
+  """jobs.back_to_back times the call as batches (calls per sample >= 1, one sync per sample);
+  a call that fails there leaves a b2b status and reason, which the table shows with a note."""
+  syncs = []
+  got = jobs.back_to_back(lambda i: i, syncs.append, {"sets": 2, "reps": 3, "min_reps": 2,
+                                                       "budget_s": 0.5})
+  assert got["ms_b2b"]["n"] == 3 and got["timing_b2b"]["calls_per_sample"] >= 1
+  assert len(syncs) >= 3
+
+  def boom(i):
+    raise RuntimeError("RESOURCE_EXHAUSTED: out of memory while allocating")
+
+  failed = jobs.back_to_back(boom, syncs.append, {"sets": 1, "reps": 3, "min_reps": 2,
+                                                  "budget_s": 0.5})
+  assert failed["b2b_status"] == "oom" and "RESOURCE_EXHAUSTED" in failed["b2b_reason"]
+  peak = {"kind": "peak", "run_id": "r", "status": "ok", "dtype": "bf16", "n": 10000,
+          "flops": int(2e12), "ms": {"median": 2.0}}
+  ok = dict(_record("mok_jax:cuda", "mok_jax", 2.0, {"y": 1.0}), ms_b2b={"median": 1.0})
+  bad = dict(_record("torch._grouped_mm", "peer", 4.0, {"y": 1.0}), **failed)
+  derived = {r.get("impl"): r for r in report.derive([peak, ok, bad])}
+  cuda = derived["mok_jax:cuda"]
+  assert cuda["tflops_b2b"] == pytest.approx(2 * cuda["tflops"])
+  text = report.table(list(derived.values()))
+  assert "fwd, back to back: RuntimeError: RESOURCE_EXHAUSTED" in text
+  assert "out of memory [1]" in text
 
 
 def test_latest_keeps_newest_record_per_case():

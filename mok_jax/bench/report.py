@@ -84,6 +84,8 @@ def derive(records: list[dict]) -> list[dict]:
     cases.setdefault(case_key(r), []).append(r)
     if r.get("status") == "ok":
       r["tflops"] = tflops(r["flops"], r["ms"]["median"])
+      if r.get("ms_b2b"):
+        r["tflops_b2b"] = tflops(r["flops"], r["ms_b2b"]["median"])
       peak = peaks_by_run.get((r.get("run_id"), r.get("dtype")),
                               peaks_by_dtype.get(r.get("dtype")))
       r["peak_tflops"] = peak
@@ -220,6 +222,10 @@ def _header(records: list[dict]) -> list[str]:
                  "and block_until_ready; PyTorch: CUDA events),")
     lines.append("  after --warmup calls and --warmup-s seconds of warm-up (at most half of "
                  "--budget-s); (n=..): fewer samples than --reps, cut by --budget-s")
+  if any(r.get("kind") == "moe" and r.get("ms_b2b") for r in records):
+    lines.append("b2b: the same call timed back to back as the dense matmul is (median ms a call "
+                 "of samples of about")
+    lines.append("  50 ms of calls, one sync each), without a sync's latency between two calls")
   lines.append("vs peer = the best peer's median / this median; compile s = jit lower+compile "
                "(JAX), first call (eager PyTorch)")
   return lines
@@ -239,9 +245,9 @@ def table(records: list[dict]) -> str:
   if not moe:
     return "\n".join(_header(records) + ["(no MoE records)"])
   notes = _Notes()
-  widths = (24, 10, 25, 8, 7, 8, 8, 9)
-  head = ("  impl", "median ms", "min-max ms", "TF/s", "% peak", "vs peer", "mem GiB",
-          "compile s")
+  widths = (24, 10, 25, 8, 8, 8, 7, 8, 8, 9)
+  head = ("  impl", "median ms", "min-max ms", "TF/s", "b2b ms", "b2b TF/s", "% peak",
+          "vs peer", "mem GiB", "compile s")
   lines = _header(records)
   for mode in MODES:
     rows = [r for r in moe if r.get("mode") == mode]
@@ -273,7 +279,13 @@ def table(records: list[dict]) -> str:
         asked = (r.get("timing") or {}).get("reps_asked")
         if asked and ms.get("n", asked) < asked:
           spread += f" (n={ms['n']})"
-        cells = (median, spread, _fmt_tf(r["tflops"]),
+        b2b = ("-", "-")
+        if r.get("ms_b2b"):
+          b2b = (_fmt_ms(r["ms_b2b"]["median"]), _fmt_tf(r["tflops_b2b"]))
+        elif r.get("b2b_status"):
+          b2b = (STATUS_TEXT.get(r["b2b_status"], r["b2b_status"]) + " " + notes.ref(
+              f"{r['impl']} on {r['shape']} {mode}, back to back: {r.get('b2b_reason')}"), "-")
+        cells = (median, spread, _fmt_tf(r["tflops"]), *b2b,
                  f"{r['pct_of_peak']:.1f}" if r.get("pct_of_peak") is not None else "-",
                  f"{speed:.2f}x" if speed else "-",
                  f"{mem / GIB:.2f}" if mem else "-",
@@ -281,7 +293,7 @@ def table(records: list[dict]) -> str:
       else:
         status = STATUS_TEXT.get(r.get("status"), r.get("status") or "?")
         reason = r.get("reason") or ""
-        cells = (f"{status} {notes.ref(reason)}" if reason else status,) + ("",) * 6
+        cells = (f"{status} {notes.ref(reason)}" if reason else status,) + ("",) * 8
       lines.append("  ".join(str(c).ljust(w) for c, w in zip((impl,) + cells, widths)).rstrip())
   if notes.texts:
     lines.append("")

@@ -43,6 +43,10 @@ def kernel_ms(f, args, tag):
   return total
 
 
+def digest(a) -> str:
+  return hashlib.sha1(np.asarray(a.astype(jnp.float32)).tobytes()).hexdigest()[:10]
+
+
 def short(kernel):
   """GemmChainKernel<GemmKind<Major A, Major B, Epilogue, Schedule>...> -> gemm<A B epi sched>."""
   if "GemmChainKernel" in kernel:
@@ -69,9 +73,8 @@ def main(argv):
     args = (x, weights, wg, wu, wd)
     f_fwd, f_step = jax.jit(fwd), jax.jit(step)
     y, grads = f_step(*args)
-    bits = " ".join(f"{n}={hashlib.sha1(np.asarray(a.astype(jnp.float32)).tobytes()).hexdigest()[:10]}"
-                    for n, a in zip(("y", "dx", "dweights", "dw_gate", "dw_up", "dw_down"),
-                                    (y, *grads)))
+    bits = " ".join(f"{n}={digest(a)}" for n, a in
+                    zip(("y", "dx", "dweights", "dw_gate", "dw_up", "dw_down"), (y, *grads)))
     print(f"{name} {shape_name} bits {bits}", flush=True)
     del y, grads
     for mode, f in (("fwd", f_fwd), ("fwd+bwd", f_step)):
