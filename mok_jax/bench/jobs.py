@@ -78,10 +78,12 @@ def back_to_back(call, sync, job: dict) -> dict:
   figures stand). Every implementation gets both; the per-call figure includes the framework's
   dispatch and synchronisation latency, which layers running back to back in a training step
   do not pay one by one."""
+  # Half the mode's budget and at least 3 samples: it comes on top of the mode's own timing,
+  # under the same --mode-timeout, and a slow call's two figures differ little.
   try:
     seconds, how = timing.batched(call, sync, n_sets=job["sets"], warmup_s=0.0,
-                                  reps=job["reps"], min_reps=job["min_reps"],
-                                  budget_s=job["budget_s"])
+                                  reps=job["reps"], min_reps=min(3, job["min_reps"]),
+                                  budget_s=job["budget_s"] / 2)
   except Exception as exc:  # pylint: disable=broad-except
     return {"b2b_status": peers.failure_status(exc), "b2b_reason": peers.describe_exception(exc)}
   return {"ms_b2b": timing.summarize(seconds), "timing_b2b": how}
