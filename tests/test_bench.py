@@ -489,6 +489,29 @@ def test_batched_syncs_once_per_sample(monkeypatch):
   assert len(syncs) < (how["warmup_calls"] + 20 * 50) / 10  # far fewer syncs than calls
 
 
+def test_batched_bounds_the_calls_in_flight(monkeypatch):
+  """max_in_flight=2: call j is dispatched only once call j - 2 was waited for, and each sample
+  ends with a wait for its last call (and, the queue being in order, for all of them)."""
+  clock = _FakeClock()
+  monkeypatch.setattr(timing.time, "perf_counter", clock)
+  events = []
+
+  def call(i):
+    clock.now += 0.001
+    events.append(("call", sum(1 for e in events if e[0] == "call")))
+    return events[-1][1]
+
+  seconds, how = timing.batched(call, lambda j: events.append(("sync", j)), n_sets=1,
+                                warmup_s=0.0, reps=2, min_reps=2, budget_s=1.0, sample_s=0.005,
+                                max_in_flight=2)
+  assert how["calls_per_sample"] == 5 and len(seconds) == 2
+  first = how["warmup_calls"]  # the timed samples' calls: first .. first + 9
+  timed = [e for e in events if e[1] >= first]
+  per_sample = [("call", 0), ("call", 1), ("sync", 0), ("call", 2), ("sync", 1), ("call", 3),
+                ("sync", 2), ("call", 4), ("sync", 4)]
+  assert timed == [(kind, first + s * 5 + j) for s in range(2) for kind, j in per_sample]
+
+
 def _record(impl, group, ms, check, mode="fwd", status="ok", run_id="r"):
   r = {"kind": "moe", "run_id": run_id, "date": "d", "impl": impl, "group": group,
        "mode": mode, "status": status, "shape": "s", "T": 4, "H": 8, "I": 16, "E": 2, "k": 1,

@@ -77,13 +77,15 @@ def back_to_back(call, sync, job: dict) -> dict:
   {"ms_b2b", "timing_b2b"}, or {"b2b_status", "b2b_reason"} if it failed (the mode's own
   figures stand). Every implementation gets both; the per-call figure includes the framework's
   dispatch and synchronisation latency, which layers running back to back in a training step
-  do not pay one by one."""
+  do not pay one by one. sync(out) must wait for that call alone (and those before it): at most
+  two calls are in flight, so that the forward's back-to-back calls do not raise the peak
+  memory that the forward+backward mode, run after it in the same process, reports."""
   # Half the mode's budget and at least 3 samples: it comes on top of the mode's own timing,
   # under the same --mode-timeout, and a slow call's two figures differ little.
   try:
     seconds, how = timing.batched(call, sync, n_sets=job["sets"], warmup_s=0.0,
                                   reps=job["reps"], min_reps=min(3, job["min_reps"]),
-                                  budget_s=job["budget_s"] / 2)
+                                  budget_s=job["budget_s"] / 2, max_in_flight=2)
   except Exception as exc:  # pylint: disable=broad-except
     return {"b2b_status": peers.failure_status(exc), "b2b_reason": peers.describe_exception(exc)}
   return {"ms_b2b": timing.summarize(seconds), "timing_b2b": how}

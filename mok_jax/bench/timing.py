@@ -12,11 +12,15 @@ compile + (WARMUP_CAP + HARD_CAP) * budget_s + 3 calls, however slow its calls a
 
 Dense peak (`batched`): back-to-back calls with one synchronisation per sample of many calls
 (so that neither dispatch nor synchronisation latency sits between two matmuls), after at least
-`warmup_s` seconds of the same; each sample gives the mean seconds per call of its batch.
+`warmup_s` seconds of the same; each sample gives the mean seconds per call of its batch. With
+max_in_flight (the MoE modes' back-to-back figure) a call is dispatched only once the call
+max_in_flight before it has finished, which bounds the memory of calls in flight while the
+device still always has the next call queued.
 """
 
 from __future__ import annotations
 
+import collections
 import math
 import statistics
 import time
@@ -75,18 +79,22 @@ def wall_clock(call: Callable[[int], object], sync: Callable[[object], None]):
 
 def batched(call: Callable[[int], object], sync: Callable[[object], None], *, n_sets: int,
             warmup_s: float, reps: int, min_reps: int, budget_s: float,
-            sample_s: float = SAMPLE_S) -> tuple[list[float], dict]:
+            sample_s: float = SAMPLE_S, max_in_flight: int = 0) -> tuple[list[float], dict]:
   """Seconds per call of back-to-back calls: call(i) only enqueues work on input set i;
   sync(out) waits for it (and, the device running its queue in order, for every call before).
   Warm-up runs batches of calls until warmup_s seconds have passed (one call at least); then
-  each timed sample is one batch of about sample_s seconds, synchronised once at its end."""
+  each timed sample is one batch of about sample_s seconds, synchronised once at its end, and,
+  with max_in_flight > 0, on each call max_in_flight calls back before the next is dispatched."""
 
   def run_batch(first: int, size: int) -> float:
     start = time.perf_counter()
-    out = None
+    pending = collections.deque()
     for j in range(size):
-      out = call((first + j) % n_sets)
-    sync(out)
+      if max_in_flight and len(pending) == max_in_flight:
+        sync(pending.popleft())
+      pending.append(call((first + j) % n_sets))
+    sync(pending[-1])
+    pending.clear()
     return (time.perf_counter() - start) / size
 
   calls, size = 0, 1
