@@ -78,8 +78,9 @@ def back_to_back(call, sync, job: dict) -> dict:
   figures stand). Every implementation gets both; the per-call figure includes the framework's
   dispatch and synchronisation latency, which layers running back to back in a training step
   do not pay one by one. sync(out) must wait for that call alone (and those before it): at most
-  two calls are in flight, so that the forward's back-to-back calls do not raise the peak
-  memory that the forward+backward mode, run after it in the same process, reports."""
+  two calls are in flight, so that the forward's back-to-back calls hold two forwards' buffers,
+  under what the forward+backward mode, which runs after it in the same process and reports
+  the process's peak, needs itself."""
   # Half the mode's budget and at least 3 samples: it comes on top of the mode's own timing,
   # under the same --mode-timeout, and a slow call's two figures differ little.
   try:
