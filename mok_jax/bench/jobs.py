@@ -329,7 +329,7 @@ def _time_jax_mode(job, layer, params, sets, mode):
                                  warmup_s=job["warmup_s"], reps=job["reps"],
                                  min_reps=job["min_reps"], budget_s=job["budget_s"],
                                  prior_s=first_s)
-    # Before the back-to-back calls, which hold several calls' buffers at once.
+    # Before the back-to-back calls, which hold two calls' buffers at once.
     peak = _peak_bytes()
     yield stage(mode, "back-to-back timing")
     b2b = back_to_back(lambda i: compiled(*args(i)), jax.block_until_ready, job)

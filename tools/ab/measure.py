@@ -29,7 +29,8 @@ def kernel_ms(f, args, tag):
   with jax.profiler.trace(path):
     for _ in range(5):
       jax.block_until_ready(f(*args))
-  trace = json.load(gzip.open(sorted(glob.glob(f"{path}/**/*.trace.json.gz", recursive=True))[-1]))
+  newest = sorted(glob.glob(f"{path}/**/*.trace.json.gz", recursive=True))[-1]
+  trace = json.load(gzip.open(newest))
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
   gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
          and "GPU" in str(e.get("args", {}).get("name", ""))}
