@@ -99,6 +99,11 @@ struct GemmParams {
   CUtensorMap a;
   CUtensorMap b0;
   CUtensorMap b1;           // kSwiGLU: w_up; K-major B: the matrix for k >= k_split
+  // kRowsByGroup: split tiles load only what they multiply (MmaTileSplit): a half tile 64 rows
+  // of A (a_half: boxes of 64 rows), a narrow tile half of B's columns (b0_half, b1_half).
+  CUtensorMap a_half;
+  CUtensorMap b0_half;
+  CUtensorMap b1_half;
   // kTmaStore: out0 and out1 for TMA stores of (32 columns, 64 rows) boxes, all groups' rows
   // group after group.
   CUtensorMap o0;

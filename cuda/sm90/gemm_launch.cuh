@@ -68,6 +68,12 @@ const char* PrepareGemm(GemmParams& p, const Matrix& a, const Matrix& b0, const 
       (uses_b1 && !Describe(&p.b1, b1, Kind::kKMajorB, b_cols, Kind::kBlockK))) {
     return "cuTensorMapEncodeTiled refused a GEMM operand";
   }
+  if (Kind::kSched == Schedule::kRowsByGroup &&
+      (!Describe(&p.a_half, a, Kind::kKMajorA, C::kBlockM / 2, Kind::kBlockK) ||
+       !Describe(&p.b0_half, b0, Kind::kKMajorB, b_cols / 2, Kind::kBlockK) ||
+       (uses_b1 && !Describe(&p.b1_half, b1, Kind::kKMajorB, b_cols / 2, Kind::kBlockK)))) {
+    return "cuTensorMapEncodeTiled refused a GEMM operand";
+  }
   if constexpr (Kind::kTmaStore) {
     // One map over all groups' outputs, packed: group g's rows from g * m on.
     const int64_t rows = int64_t{p.groups} * p.m;

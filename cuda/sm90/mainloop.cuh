@@ -85,14 +85,24 @@ __device__ __forceinline__ void LoadTile(const GemmParams& p, const GemmTile& ti
   // First row of B's k-tiles: the group's weights (kRowsByGroup) or its routed rows.
   const int64_t b_row0 = Kind::kSched == Schedule::kRowsByGroup
                              ? int64_t{tile.group} * p.k : tile.k_begin;
+  // A split tile's stage holds only what its MMAs read (MmaTileSplit): a half tile's 64 rows of
+  // A, a narrow tile's half of B.
+  constexpr uint32_t kHalfA = C::kBlockM / 2 * Kind::kBlockK * sizeof(bf16_t);
+  constexpr uint32_t kHalfB = C::kBlockN / 2 * Kind::kBlockK * sizeof(bf16_t);
+  const bool half_a = Kind::kSched == Schedule::kRowsByGroup && tile.half;
+  const bool half_b = Kind::kSched == Schedule::kRowsByGroup && tile.narrow;
+  const uint32_t stage_bytes = Kind::kStageBytes - (half_a ? kHalfA : 0) - (half_b ? kHalfB : 0);
+  const CUtensorMap* a_map = half_a ? &p.a_half : &p.a;
+  const CUtensorMap* b0_map = half_b ? &p.b0_half : &p.b0;
+  const CUtensorMap* b1_map = half_b ? &p.b1_half : &p.b1;
   for (int kt = 0; kt < tile.num_k; ++kt, ++it) {
     const int s = it % Kind::kStages;
     const uint32_t round = it / Kind::kStages;
     const int kk = kt * Kind::kBlockK;
     BarrierWait(&smem.empty[s], (round & 1) ^ 1);  // the first round finds every stage free
-    BarrierArriveExpectTx(&smem.full[s], Kind::kStageBytes);
+    BarrierArriveExpectTx(&smem.full[s], stage_bytes);
     if constexpr (Kind::kKMajorA) {
-      TmaLoad2d(smem.a[s], &p.a, &smem.full[s], kk, static_cast<int32_t>(tile.m0));
+      TmaLoad2d(smem.a[s], a_map, &smem.full[s], kk, static_cast<int32_t>(tile.m0));
     } else {
       // The tile's kBlockM / 64 panels of A in one box (m0 is a multiple of kBlockM).
       TmaLoad3d(smem.a[s], &p.a, &smem.full[s], 0, static_cast<int32_t>(tile.k_begin + kk),
@@ -101,17 +111,17 @@ __device__ __forceinline__ void LoadTile(const GemmParams& p, const GemmTile& ti
     if constexpr (Kind::kKMajorB) {
       // B(n, k) = W[group * n + n, k]: one (64, 256) box from b0, or b1 past k_split.
       const bool second = kk >= p.k_split;
-      TmaLoad2d(smem.b[s], second ? &p.b1 : &p.b0, &smem.full[s], second ? kk - p.k_split : kk,
+      TmaLoad2d(smem.b[s], second ? b1_map : b0_map, &smem.full[s], second ? kk - p.k_split : kk,
                 tile.group * p.n + n0);
     } else if constexpr (Kind::kEpi == Epilogue::kSwiGLU) {
       // Panels 0-1 are 128 columns of w_gate, panels 2-3 the same columns of w_up.
       constexpr int kHalf = C::kBlockN / C::kBoxInner / 2;
       const int panel = tile.n_tile * kHalf;
       const auto row = static_cast<int32_t>(b_row0 + kk);
-      TmaLoad3d(smem.b[s], &p.b0, &smem.full[s], 0, row, panel);
-      TmaLoad3d(smem.b[s] + kHalf * kBox, &p.b1, &smem.full[s], 0, row, panel);
+      TmaLoad3d(smem.b[s], b0_map, &smem.full[s], 0, row, panel);
+      TmaLoad3d(smem.b[s] + kHalf * kBox, b1_map, &smem.full[s], 0, row, panel);
     } else {
-      TmaLoad3d(smem.b[s], &p.b0, &smem.full[s], 0, static_cast<int32_t>(b_row0 + kk),
+      TmaLoad3d(smem.b[s], b0_map, &smem.full[s], 0, static_cast<int32_t>(b_row0 + kk),
                 n0 / C::kBoxInner);
     }
   }
