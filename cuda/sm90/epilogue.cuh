@@ -329,19 +329,25 @@ __device__ __forceinline__ void StoreTileTma(const GemmParams& p, const GemmTile
   if (row0 >= tile.m_end) return;  // uniform over the warpgroup
   const uint32_t base = SmemAddr(smem.stage[wg]);
   const bool storer = wg_thread == 0;
-  // Value v of this thread goes to box AccColStep(v) / 32 at row r0 + AccRowStep(v), 16-byte
-  // chunk (AccColStep(v) % 32) / 8 XORed with (row / 2) % 4 (CU_TENSOR_MAP_SWIZZLE_64B), byte
-  // 2 c0 of it. A warp's 4-byte stores meet 32 distinct banks.
-  const int r0 = AccRow(wg_thread), c0 = AccCol(wg_thread);
-  auto at = [&](int v) {
-    const int r = r0 + AccRowStep(v), chunk = AccColStep(v) % kTmaStoreCols / 8;
-    return AccColStep(v) / kTmaStoreCols * kBoxBytes +
-           static_cast<uint32_t>(r * 64 + (((chunk ^ (r >> 1)) & 3) << 4) + 2 * c0);
-  };
+  // stmatrix q of 16 writes the thread's values 8 q .. 8 q + 7: the 8-column groups 2 q and
+  // 2 q + 1 (matrices 0, 1: rows 0-7 and 8-7 of the warp's 16 of group 2 q; 2, 3: of 2 q + 1).
+  // This lane gives the address of row `row` (of the warpgroup's 64) of group 2 q + hi: box
+  // q / 2 (32 columns), 16-byte chunk 2 (q % 2) + hi XORed with (row / 2) % 4
+  // (CU_TENSOR_MAP_SWIZZLE_64B). Each matrix's eight rows meet 32 distinct banks.
+  const int lane = wg_thread % 32, matrix = lane / 8;
+  const int row = wg_thread / 32 * 16 + (matrix & 1) * 8 + lane % 8, hi = matrix >> 1;
+  const uint32_t row_base = base + static_cast<uint32_t>(row * 64);
+  const uint32_t even = static_cast<uint32_t>(((hi ^ (row >> 1)) & 3) << 4);
+  const uint32_t odd = static_cast<uint32_t>((((2 + hi) ^ (row >> 1)) & 3) << 4);
   if (storer) BulkWaitRead<0>();  // the last tile's stores have read the staging
   NamedBarrierSync(barrier, 128);
   CUTE_UNROLL
-  for (int v = 0; v < 128; v += 2) StoreShared32(base + at(v), PackBf16(acc(v), acc(v + 1)));
+  for (int q = 0; q < 16; ++q) {
+    const int v = 8 * q;
+    StoreMatrixX4(row_base + q / 2 * kBoxBytes + (q % 2 ? odd : even),
+                  PackBf16(acc(v), acc(v + 1)), PackBf16(acc(v + 2), acc(v + 3)),
+                  PackBf16(acc(v + 4), acc(v + 5)), PackBf16(acc(v + 6), acc(v + 7)));
+  }
   FenceProxyAsyncShared();  // the writes, before the async proxy reads them
   NamedBarrierSync(barrier, 128);
   if (storer) {

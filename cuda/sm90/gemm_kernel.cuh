@@ -166,7 +166,13 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     const int64_t total = cs.first_tile[kSlots];
     for (uint32_t j = 0;; ++j) {
       const int slot = j % kTileSlots;
-      const int64_t linear = atomicAdd(c.queue, 1);
+      // The weight gradients' tiles wait on nothing and cost about the same: CTA b takes tiles
+      // b, b + grid, b + 2 grid, ..., the order the queue hands out when all keep pace, without
+      // an atomic round trip on one shared counter before every tile. The other launches take
+      // tiles from the queue, as SMs free up (tiles waiting on rows, ragged row tiles).
+      const int64_t linear = kSched == Schedule::kGroupedK
+                                 ? blockIdx.x + int64_t{j} * gridDim.x
+                                 : int64_t{atomicAdd(c.queue, 1)};
       const int i = linear < total ? ChainIndex(cs, kSlots, linear) : -1;
       GemmTile tile{};
       if (i >= 0) {

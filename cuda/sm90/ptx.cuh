@@ -128,6 +128,16 @@ __device__ __forceinline__ void StoreShared128(uint32_t addr, uint4 v) {
                : "memory");
 }
 
+// stmatrix: four 8 x 8 bf16 matrices from the warp, matrix i's rows at the addresses of lanes
+// 8 i to 8 i + 7; this lane's row of each (two values) in r0..r3, as an m64nNk16 wgmma
+// accumulator (rounded and packed in pairs) holds them.
+__device__ __forceinline__ void StoreMatrixX4(uint32_t addr, uint32_t r0, uint32_t r1,
+                                              uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
 __device__ __forceinline__ uint4 LoadShared128(uint32_t addr) {
   uint4 v;
   asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
