@@ -330,7 +330,7 @@ __device__ __forceinline__ void StoreTileTma(const GemmParams& p, const GemmTile
   const uint32_t base = SmemAddr(smem.stage[wg]);
   const bool storer = wg_thread == 0;
   // stmatrix q of 16 writes the thread's values 8 q .. 8 q + 7: the 8-column groups 2 q and
-  // 2 q + 1 (matrices 0, 1: rows 0-7 and 8-7 of the warp's 16 of group 2 q; 2, 3: of 2 q + 1).
+  // 2 q + 1 (matrices 0, 1: rows 0-7 and 8-15 of the warp's 16 of group 2 q; 2, 3: of 2 q + 1).
   // This lane gives the address of row `row` (of the warpgroup's 64) of group 2 q + hi: box
   // q / 2 (32 columns), 16-byte chunk 2 (q % 2) + hi XORed with (row / 2) % 4
   // (CU_TENSOR_MAP_SWIZZLE_64B). Each matrix's eight rows meet 32 distinct banks.
