@@ -250,6 +250,11 @@ def _moe_ffi_call(out_dtype, block_m, recompute, x, experts, weights, w_gate, w_
 def _moe_ffi_fwd(out_dtype, config, x, experts, weights, w_gate, w_up, w_down, shared):
   y, residuals = _moe_ffi_call(out_dtype, config.block_m, config.recompute, x, experts, weights,
                                w_gate, w_up, w_down, shared)
+  # Empty residuals (gu_shared without a shared expert, gu with recompute) are not saved:
+  # moe_bwd makes them. Saved, inside shard_map they become inputs of the backward's manual
+  # computation that XLA folds to constants, and removing the unused inputs then crashed
+  # Shardy's canonicalizer (jax 0.11.2 on 2 GPUs, 2026-11-30: a segfault compiling the step).
+  residuals = ops.Residuals(*(None if r.size == 0 else r for r in residuals))
   return y, (x, experts, weights, w_gate, w_up, w_down, shared, residuals)
 
 

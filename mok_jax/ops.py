@@ -298,7 +298,7 @@ def moe_bwd(dy, x, experts, weights, w_gate, w_up, w_down, shared, residuals: Re
 
   Inputs:
     dy (T, H) of y's dtype; the forward's inputs; its `Residuals`, from a forward with the same
-    block_m and recompute.
+    block_m and recompute (an empty one, e.g. gu_shared without a shared expert, may be None).
   Outputs:
     `Grads`: x (T, H), weights (T, k) f32, w_gate, w_up (E, H, I), w_down (E, I, H) and the
     shared weights' gradients (None without a shared expert), all but weights in x's dtype.
@@ -309,6 +309,8 @@ def moe_bwd(dy, x, experts, weights, w_gate, w_up, w_down, shared, residuals: Re
     raise ValueError(f"moe_bwd: dy must be ({T}, {H}) of {x.dtype} or float32, got "
                      f"{dy.shape} {dy.dtype}")
   want = fwd_results(dims, x.dtype, x.dtype, block_m, recompute)[1:1 + len(Residuals._fields)]
+  residuals = [jnp.zeros(spec.shape, spec.dtype) if got is None and 0 in spec.shape else got
+               for spec, got in zip(want, residuals)]
   for name, spec, got in zip(Residuals._fields, want, residuals):
     if got.shape != spec.shape or got.dtype != spec.dtype:
       raise ValueError(f"moe_bwd: residual {name} must be {spec.shape} {spec.dtype}, got "
