@@ -117,9 +117,9 @@ def loss_and_grads(case: Case, backend, config=None, jit=True):
   return np.asarray(y), {name: np.asarray(v) for name, v in named_grads(case, g).items()}
 
 
-def sharded_loss_and_grads(case: Case, backend, mesh, x_spec, w_spec, axis_name, config=None):
-  """loss_and_grads with moe applied inside shard_map: tokens (and routes) split by x_spec,
-  experts by w_spec, the shared expert replicated."""
+def sharded_grad_fn(case: Case, backend, mesh, x_spec, w_spec, axis_name, config=None):
+  """grad_fn with moe applied inside shard_map: tokens (and routes) split by x_spec, experts
+  by w_spec, the shared expert replicated."""
 
   def layer(x, experts, weights, w_gate, w_up, w_down, shared):
     return mok_jax.moe(x, experts, weights, w_gate, w_up, w_down, shared=shared,
@@ -134,7 +134,12 @@ def sharded_loss_and_grads(case: Case, backend, mesh, x_spec, w_spec, axis_name,
     y = sharded(x, experts, weights, w_gate, w_up, w_down, shared)
     return jnp.sum(y.astype(jnp.float32) * case.dy), y
 
-  f = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True))
+  return jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True)
+
+
+def sharded_loss_and_grads(case: Case, backend, mesh, x_spec, w_spec, axis_name, config=None):
+  """loss_and_grads of sharded_grad_fn."""
+  f = jax.jit(sharded_grad_fn(case, backend, mesh, x_spec, w_spec, axis_name, config))
   (_, y), g = f(*case.params())
   return np.asarray(y), {name: np.asarray(v) for name, v in named_grads(case, g).items()}
 

@@ -5,6 +5,7 @@ gradients (jax.grad of a loss of the shard_mapped function), for EP sizes 1, 2, 
 import functools
 
 import jax
+import jax.extend
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -13,7 +14,7 @@ import mok_jax
 import oracle
 from cases import (BF16, BF16_GRAD_RTOL, BF16_RTOL, CPU_BACKENDS, F32, F32_RTOL, assert_close,
                    assert_grads_close, distinct_experts, loss_and_grads, make_case,
-                   sharded_loss_and_grads)
+                   sharded_grad_fn, sharded_loss_and_grads)
 
 T, H, I, E, K, IS = 24, 16, 8, 8, 3, 8  # T and E divide by every EP size up to 8
 OUT_OF_RANGE = (-1, E, 2**31 - 1)
@@ -89,3 +90,28 @@ def test_replicated_experts_under_shard_map(backend):
   want_y, want_grads = loss_and_grads(case, backend)
   assert_close(y, want_y, F32_RTOL, "y")
   assert_grads_close(grads, want_grads, F32_RTOL, "replicated experts")
+
+
+def shard_map_inputs(jaxpr):
+  """The avals of every shard_map's inputs in a jaxpr, sub-jaxprs included."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "shard_map":
+      yield from (v.aval for v in eqn.invars)
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      yield from shard_map_inputs(sub)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("Is", [None, IS], ids=["routed", "shared"])
+def test_backward_shard_map_gets_no_empty_residual(Is, recompute):
+  """No empty array (gu_shared without a shared expert, gu with recompute) crosses into the
+  backward's shard_map: XLA folds such an input to a constant, and removing the unused input
+  then crashed Shardy compiling forward+backward on 2 GPUs (jax 0.11.2, 2026-11-30)."""
+  case = ep_case(Is)
+  f = sharded_grad_fn(case, "ffi", mesh_of(2), P("ep"), P("ep"), "ep",
+                      mok_jax.Config(recompute=recompute))
+  avals = list(shard_map_inputs(jax.make_jaxpr(f)(*case.params()).jaxpr))
+  assert len(avals) > 12  # the forward's and the backward's shard_map
+  empty = [a.str_short() for a in avals if 0 in a.shape]
+  assert not empty, empty
+
