@@ -27,3 +27,17 @@ def test_measure_prints_bits_and_walls():
   walls = {f[3]: float(f[4]) for f in first if f[2] == "wall"}
   assert set(walls) == {"fwd", "fwd+bwd"} and all(w > 0 for w in walls.values())
   assert bits == [f for f in second if f[2] == "bits"]
+
+
+def test_call_spans():
+  sys.path.insert(0, str(SCRIPT.parent))
+  try:
+    import measure  # pylint: disable=import-outside-toplevel
+  finally:
+    sys.path.pop(0)
+  # Two calls: kernels 0-10, 12-30 (a 2 us gap) and 25-28 (overlapping); then 200-250.
+  launches = [(0.0, 10.0), (12.0, 30.0), (25.0, 28.0), (200.0, 250.0)]
+  assert measure.call_spans(launches) == [30.0, 50.0]
+  assert measure.call_spans(launches, gap_us=1.0) == [10.0, 18.0, 50.0]
+  assert measure.call_spans([]) == []
+

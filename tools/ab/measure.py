@@ -1,7 +1,9 @@
 """One build's figures for tools/ab/run.sh: per bench shape, the bits of y and every gradient
-(sha1), the GPU time of each kernel in a forward+backward (jax.profiler, five calls), and the
-wall-clock medians of the forward and of forward+backward (a call and a synchronisation, as
-the bench times them). Usage: python tools/ab/measure.py NAME SHAPES (bench shapes, or tiny);
+(sha1), the wall-clock medians of the forward and of forward+backward (a call and a
+synchronisation, as the bench times them), and for each of the two the GPU time of each kernel
+and a call's span on the GPU, first kernel's start to last one's end (jax.profiler, five
+calls; the span less the kernels' time is the GPU idle inside a call).
+Usage: python tools/ab/measure.py NAME SHAPES (bench shapes, or tiny);
 MOK_AB_BACKEND (default cuda) picks the backend, e.g. xla for a smoke run on a CPU."""
 
 import collections
@@ -23,11 +25,17 @@ from mok_jax.bench import shapes as bench_shapes
 from mok_jax.bench import timing
 
 
-def kernel_ms(f, args, tag):
-  """GPU ms per call of each kernel of f(*args), summed over its launches."""
+# Kernels of one call follow each other within microseconds; between two calls lie the host's
+# synchronisation and dispatch (0.1 ms or more).
+CALL_GAP_US = 50.0
+
+
+def kernel_ms(f, args, tag, calls=5):
+  """(GPU ms per call of each kernel of f(*args), summed over its launches; the median span
+  of a call on the GPU, its first kernel's start to its last one's end, in ms)."""
   path = f"/tmp/ab_trace_{tag}"
   with jax.profiler.trace(path):
-    for _ in range(5):
+    for _ in range(calls):
       jax.block_until_ready(f(*args))
   newest = sorted(glob.glob(f"{path}/**/*.trace.json.gz", recursive=True))[-1]
   trace = json.load(gzip.open(newest))
@@ -38,10 +46,29 @@ def kernel_ms(f, args, tag):
              and e.get("name") == "thread_name" and e.get("pid") in gpu
              and "Stream" in str(e["args"].get("name", ""))}
   total = collections.Counter()
+  launches = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                    if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams)
   for e in events:
     if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams:
-      total[e["name"]] += e["dur"] / 5 / 1e3
-  return total
+      total[e["name"]] += e["dur"] / calls / 1e3
+  spans = call_spans(launches)
+  return total, float(np.median(spans)) / 1e3 if spans else 0.0
+
+
+def call_spans(launches, gap_us=CALL_GAP_US):
+  """Spans (us) of the calls in (start, end) kernel intervals sorted by start: a call ends
+  where the GPU then idles more than gap_us."""
+  spans, start, end = [], None, None
+  for begin, finish in launches:
+    if start is not None and begin - end > gap_us:
+      spans.append(end - start)
+      start = None
+    if start is None:
+      start, end = begin, finish
+    end = max(end, finish)
+  if start is not None:
+    spans.append(end - start)
+  return spans
 
 
 def digest(a) -> str:
@@ -84,11 +111,15 @@ def main(argv):
                                  budget_s=60.0)
       median = timing.summarize(seconds)["median"]
       print(f"{name} {shape_name} wall {mode} {median:.3f} ms", flush=True)
-    kernels = collections.Counter()
-    for kernel, ms in kernel_ms(f_step, args, f"{name}_{shape_name}").items():
-      kernels[short(kernel)] += ms
-    print(f"{name} {shape_name} kernels ms " + " ".join(
-        f"{k}={v:.3f}" for k, v in kernels.most_common(8)), flush=True)
+    for mode, f in (("fwd", f_fwd), ("fwd+bwd", f_step)):
+      kernels = collections.Counter()
+      per_kernel, span = kernel_ms(f, args, f"{name}_{shape_name}_{mode}")
+      for kernel, ms in per_kernel.items():
+        kernels[short(kernel)] += ms
+      print(f"{name} {shape_name} span {mode} {span:.3f} ms, kernels "
+            f"{sum(kernels.values()):.3f} ms", flush=True)
+      print(f"{name} {shape_name} kernels {mode} ms " + " ".join(
+          f"{k}={v:.3f}" for k, v in kernels.most_common(8)), flush=True)
 
 
 if __name__ == "__main__":
