@@ -309,13 +309,16 @@ def moe_bwd(dy, x, experts, weights, w_gate, w_up, w_down, shared, residuals: Re
     raise ValueError(f"moe_bwd: dy must be ({T}, {H}) of {x.dtype} or float32, got "
                      f"{dy.shape} {dy.dtype}")
   want = fwd_results(dims, x.dtype, x.dtype, block_m, recompute)[1:1 + len(Residuals._fields)]
-  residuals = [jnp.zeros(spec.shape, spec.dtype) if got is None and 0 in spec.shape else got
-               for spec, got in zip(want, residuals)]
   for name, spec, got in zip(Residuals._fields, want, residuals):
-    if got.shape != spec.shape or got.dtype != spec.dtype:
+    if got is None and 0 in spec.shape:
+      continue
+    if got is None or got.shape != spec.shape or got.dtype != spec.dtype:
+      have = "None" if got is None else f"{got.shape} {got.dtype}"
       raise ValueError(f"moe_bwd: residual {name} must be {spec.shape} {spec.dtype}, got "
-                       f"{got.shape} {got.dtype} (block_m={block_m}, recompute={recompute}: the "
-                       "forward's must be the same)")
+                       f"{have} (block_m={block_m}, recompute={recompute}: the forward's must "
+                       "be the same)")
+  residuals = [jnp.zeros(spec.shape, spec.dtype) if got is None else got
+               for spec, got in zip(want, residuals)]
   results = bwd_results(dims, x.dtype, block_m, recompute)
   call = jax.ffi.ffi_call("mok_moe_bwd", results, vmap_method="sequential")
   dx, dweights, dw_gate, dw_up, dw_down, *dshared = call(

@@ -202,6 +202,21 @@ def test_backward_checks_shapes():
     bwd(case, res._replace(pos=jnp.zeros((T, K + 1), s32)))
   with pytest.raises(ValueError, match=rf"moe_bwd: residual gu must be \({R}, 12\) float32"):
     bwd(case, res._replace(gu=res.gu.astype(bf16)))
+  with pytest.raises(ValueError, match=rf"moe_bwd: residual gu must be \({R}, 12\) float32, "
+                                       r"got None"):
+    bwd(case, res._replace(gu=None))
+
+
+def test_backward_takes_none_for_an_empty_residual():
+  """Without a shared expert gu_shared is empty: None in its place gives the same gradients."""
+  case = small_case()._replace(shared=None)
+  args = (case.x, jnp.asarray(case.experts), case.weights, case.w_gate, case.w_up, case.w_down)
+  _, res = jax.jit(lambda *a: ops.moe_fwd(*a, None, out_dtype=f32, block_m=BLOCK_M))(*args)
+  assert res.gu_shared.size == 0
+  want, got = bwd(case, res), bwd(case, res._replace(gu_shared=None))
+  for name, a, b in zip(want._fields, want, got):
+    if a is not None:
+      assert np.array_equal(np.asarray(a), np.asarray(b)), name
 
 
 def test_bad_direct_bwd_call():
