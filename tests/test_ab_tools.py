@@ -1,6 +1,6 @@
 """tools/ab/measure.py, which the device A/B of builds runs for each build, on the CPU: it prints
-the bits of y and of every gradient and the two wall-clock medians, and the same bits when run
-again."""
+the bits of y and of every gradient and the wall-clock medians (per call and back to back), and
+the same bits when run again."""
 
 import os
 import pathlib
@@ -24,8 +24,9 @@ def test_measure_prints_bits_and_walls():
   names = [field.split("=")[0] for field in bits[0][3:]]
   assert names == ["y", "dx", "dweights", "dw_gate", "dw_up", "dw_down"]
   assert all(len(field.split("=")[1]) == 10 for field in bits[0][3:])
-  walls = {f[3]: float(f[4]) for f in first if f[2] == "wall"}
-  assert set(walls) == {"fwd", "fwd+bwd"} and all(w > 0 for w in walls.values())
+  for kind in ("wall", "b2b"):
+    walls = {f[3]: float(f[4]) for f in first if f[2] == kind}
+    assert set(walls) == {"fwd", "fwd+bwd"} and all(w > 0 for w in walls.values()), kind
   assert bits == [f for f in second if f[2] == "bits"]
 
 

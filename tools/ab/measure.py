@@ -1,8 +1,9 @@
 """One build's figures for tools/ab/run.sh: per bench shape, the bits of y and every gradient
-(sha1), the wall-clock medians of the forward and of forward+backward (a call and a
-synchronisation, as the bench times them), and for each of the two the GPU time of each kernel
-and a call's span on the GPU, first kernel's start to last one's end (jax.profiler, five
-calls; the span less the kernels' time is the GPU idle inside a call).
+(sha1); the wall-clock medians of the forward and of forward+backward, a call and a
+synchronisation at a time and back to back (two calls in flight), as the bench times them; and
+for each of the two the GPU time of each kernel and a call's span on the GPU, its first
+kernel's start to its last one's end (jax.profiler, five calls; the span less the kernels'
+time is the GPU idle inside a call; XLA runs without command buffers while profiling).
 Usage: python tools/ab/measure.py NAME SHAPES (bench shapes, or tiny);
 MOK_AB_BACKEND (default cuda) picks the backend, e.g. xla for a smoke run on a CPU."""
 
@@ -111,6 +112,11 @@ def main(argv):
                                  budget_s=60.0)
       median = timing.summarize(seconds)["median"]
       print(f"{name} {shape_name} wall {mode} {median:.3f} ms", flush=True)
+      seconds, _ = timing.batched(lambda i, f=f: f(*args), jax.block_until_ready, n_sets=1,
+                                  warmup_s=0.5, reps=10, min_reps=5, budget_s=10.0,
+                                  max_in_flight=2)
+      median = timing.summarize(seconds)["median"]
+      print(f"{name} {shape_name} b2b {mode} {median:.3f} ms", flush=True)
     for mode, f in (("fwd", f_fwd), ("fwd+bwd", f_step)):
       kernels = collections.Counter()
       per_kernel, span = kernel_ms(f, args, f"{name}_{shape_name}_{mode}")
