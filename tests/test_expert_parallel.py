@@ -114,4 +114,3 @@ def test_backward_shard_map_gets_no_empty_residual(Is, recompute):
   assert len(avals) > 12  # the forward's and the backward's shard_map
   empty = [a.str_short() for a in avals if 0 in a.shape]
   assert not empty, empty
-

@@ -46,13 +46,11 @@ def kernel_ms(f, args, tag, calls=5):
   streams = {(e["pid"], e["tid"]) for e in events if e.get("ph") == "M"
              and e.get("name") == "thread_name" and e.get("pid") in gpu
              and "Stream" in str(e["args"].get("name", ""))}
+  kernels = [e for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams]
   total = collections.Counter()
-  launches = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
-                    if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams)
-  for e in events:
-    if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams:
-      total[e["name"]] += e["dur"] / calls / 1e3
-  spans = call_spans(launches)
+  for e in kernels:
+    total[e["name"]] += e["dur"] / calls / 1e3
+  spans = call_spans(sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels))
   return total, float(np.median(spans)) / 1e3 if spans else 0.0
 
 
