@@ -117,6 +117,12 @@ def loss_and_grads(case: Case, backend, config=None, jit=True):
   return np.asarray(y), {name: np.asarray(v) for name, v in named_grads(case, g).items()}
 
 
+def mesh_of(*shape, names=("ep",)):
+  """A mesh of the first prod(shape) devices, axes `names`."""
+  n = int(np.prod(shape))
+  return jax.sharding.Mesh(np.array(jax.devices()[:n]).reshape(shape), names)
+
+
 def sharded_grad_fn(case: Case, backend, mesh, x_spec, w_spec, axis_name, config=None):
   """grad_fn with moe applied inside shard_map: tokens (and routes) split by x_spec, experts
   by w_spec, the shared expert replicated."""

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 import mok_jax
 import oracle
 from cases import (BF16, BF16_GRAD_RTOL, BF16_RTOL, CPU_BACKENDS, F32, F32_RTOL, assert_close,
-                   assert_grads_close, distinct_experts, loss_and_grads, make_case,
+                   assert_grads_close, distinct_experts, loss_and_grads, make_case, mesh_of,
                    sharded_grad_fn, sharded_loss_and_grads)
 
 T, H, I, E, K, IS = 24, 16, 8, 8, 3, 8  # T and E divide by every EP size up to 8
@@ -25,11 +25,6 @@ def ep_case(Is, dtype=F32, seed=0):
   experts = distinct_experts(rng, T, K, E)
   experts[1, 2], experts[10, 0], experts[T - 1, 1] = OUT_OF_RANGE  # on the first/middle/last rank
   return make_case(T=T, H=H, I=I, E=E, Is=Is, dtype=dtype, experts=experts, seed=seed)
-
-
-def mesh_of(*shape, names=("ep",)):
-  n = int(np.prod(shape))
-  return jax.sharding.Mesh(np.array(jax.devices()[:n]).reshape(shape), names)
 
 
 @functools.cache

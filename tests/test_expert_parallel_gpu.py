@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from cases import (BF16, BF16_GRAD_RTOL, BF16_RTOL, assert_close, assert_grads_close, bits,
-                   distinct_experts, loss_and_grads, make_case, sharded_loss_and_grads)
+                   distinct_experts, loss_and_grads, make_case, mesh_of, sharded_loss_and_grads)
 
 pytestmark = pytest.mark.multigpu
 
@@ -26,10 +26,6 @@ T, H, I, E, K, IS = 1024, 320, 192, 16, 4, 128
 def ranks() -> int:
   n = len(jax.devices())
   return min(8, 1 << (n.bit_length() - 1))
-
-
-def mesh_of(n, name):
-  return jax.sharding.Mesh(np.array(jax.devices()[:n]), (name,))
 
 
 @functools.cache
@@ -49,7 +45,7 @@ def one_gpu(backend, seed):
 def test_ep_over_every_gpu_matches_one_gpu():
   n = ranks()
   case = case_of(0)
-  y, grads = sharded_loss_and_grads(case, "cuda", mesh_of(n, "ep"), P("ep"), P("ep"), "ep")
+  y, grads = sharded_loss_and_grads(case, "cuda", mesh_of(n), P("ep"), P("ep"), "ep")
   for backend in ("cuda", "xla"):
     want_y, want_grads = one_gpu(backend, 0)
     assert y.dtype == want_y.dtype
@@ -60,7 +56,7 @@ def test_ep_over_every_gpu_matches_one_gpu():
 
 def test_ep_same_bits_every_run():
   n = ranks()
-  runs = [sharded_loss_and_grads(case_of(1), "cuda", mesh_of(n, "ep"), P("ep"), P("ep"), "ep")
+  runs = [sharded_loss_and_grads(case_of(1), "cuda", mesh_of(n), P("ep"), P("ep"), "ep")
           for _ in range(2)]
   (y0, g0), (y1, g1) = runs
   assert bits(y0) == bits(y1), "y"
@@ -72,7 +68,7 @@ def test_replicated_experts_over_every_gpu():
   """Data parallelism without axis_name: every GPU holds all experts, gradients are summed."""
   n = ranks()
   case = case_of(2)
-  y, grads = sharded_loss_and_grads(case, "cuda", mesh_of(n, "dp"), P("dp"), P(), None)
+  y, grads = sharded_loss_and_grads(case, "cuda", mesh_of(n, names=("dp",)), P("dp"), P(), None)
   want_y, want_grads = one_gpu("cuda", 2)
   assert_close(y, want_y, BF16_RTOL, f"DP={n} y")
   assert_grads_close(grads, want_grads, BF16_GRAD_RTOL, f"DP={n}")
