@@ -132,6 +132,13 @@ struct GemmParams {
   const __nv_bfloat16* aux; // kSwiGLUBwd: gu
 };
 
+// Whether a GEMM of `Kind` reads b1: kSwiGLU's w_up, or a K-major B past k_split. The host
+// describes b1 (PrepareGemm) and the kernel prefetches its descriptor only then.
+template <class Kind>
+__host__ __device__ constexpr bool UsesB1(const GemmParams& p) {
+  return Kind::kEpi == Epilogue::kSwiGLU || (Kind::kKMajorB && p.k_split < p.k);
+}
+
 // Several GEMMs of one launch, whose tiles the CTAs take in order: first all of slot 0's, then
 // slot 1's, and so on. The forward's expert MLPs run as one such launch: routed gate|up, shared
 // gate|up (slots 0, 1: the kernel's first GemmKind), routed down, shared down (slots 2, 3: its

@@ -109,22 +109,24 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
   if (threadIdx.x == 0) {
     CUTE_UNROLL
     for (int i = 0; i < kSlots; ++i) {
-      const GemmParams& p = c.gemm[i];
-      if (p.n_tiles == 0) continue;
-      const bool uses_b1 = (Kind0::kKMajorB && p.k_split < p.k) ||
-                           (i < 2 ? Kind0::kEpi : Kind1::kEpi) == Epilogue::kSwiGLU;
-      PrefetchTmaDescriptor(&p.a);
-      PrefetchTmaDescriptor(&p.b0);
-      if (uses_b1) PrefetchTmaDescriptor(&p.b1);
-      if (kSched == Schedule::kRowsByGroup) {
-        PrefetchTmaDescriptor(&p.a_half);
-        PrefetchTmaDescriptor(&p.b0_half);
-        if (uses_b1) PrefetchTmaDescriptor(&p.b1_half);
-      }
-      if (Kind0::kTmaStore) {
-        PrefetchTmaDescriptor(&p.o0);
-        if (p.n > p.n_split) PrefetchTmaDescriptor(&p.o1);
-      }
+      WithSlot<kSlots>(i, [&](auto s) __attribute__((always_inline)) {
+        constexpr int kSlot = decltype(s)::value;
+        const GemmParams& p = c.gemm[kSlot];
+        if (p.n_tiles == 0) return;
+        const bool uses_b1 = UsesB1<SlotKind<Kind0, Kind1, kSlot>>(p);
+        PrefetchTmaDescriptor(&p.a);
+        PrefetchTmaDescriptor(&p.b0);
+        if (uses_b1) PrefetchTmaDescriptor(&p.b1);
+        if (kSched == Schedule::kRowsByGroup) {
+          PrefetchTmaDescriptor(&p.a_half);
+          PrefetchTmaDescriptor(&p.b0_half);
+          if (uses_b1) PrefetchTmaDescriptor(&p.b1_half);
+        }
+        if (Kind0::kTmaStore) {
+          PrefetchTmaDescriptor(&p.o0);
+          if (p.n > p.n_split) PrefetchTmaDescriptor(&p.o1);
+        }
+      });
     }
     for (int s = 0; s < Kind0::kStages; ++s) {
       BarrierInit(&smem.full[s], 1);

@@ -50,12 +50,12 @@ inline GemmParams RowGroups(const int32_t* offsets, int block_m, int groups, int
   return p;
 }
 
-// Fills in what `p` lacks for a GEMM of `Kind`: the tensor maps (b1 is read only by kSwiGLU
-// and by a K-major B split at p.k_split), tile counts and order.
+// Fills in what `p` lacks for a GEMM of `Kind`: the tensor maps (b1 only if UsesB1), tile
+// counts and order.
 template <class Kind>
 const char* PrepareGemm(GemmParams& p, const Matrix& a, const Matrix& b0, const Matrix& b1) {
   using C = GemmConfig;
-  const bool uses_b1 = Kind::kEpi == Epilogue::kSwiGLU || (Kind::kKMajorB && p.k_split < p.k);
+  const bool uses_b1 = UsesB1<Kind>(p);
   // kSwiGLU's B is two halves, w_gate's and w_up's columns of the tile.
   const int b_cols = Kind::kEpi == Epilogue::kSwiGLU && !Kind::kKMajorB ? C::kBlockN / 2
                                                                          : C::kBlockN;
