@@ -35,7 +35,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from mok_jax.bench import env, inputs, peers, timing
+from mok_jax.bench import clocks, env, inputs, peers, timing
 from mok_jax.bench.shapes import SKIP_ENV, Shape, breakdown_variant
 
 DTYPES = ("auto", "bf16", "f32")
@@ -83,13 +83,16 @@ def back_to_back(call, sync, job: dict) -> dict:
   the process's peak, needs itself."""
   # Half the mode's budget and at least 3 samples: it comes on top of the mode's own timing,
   # under the same --mode-timeout, and a slow call's two figures differ little.
+  # gpu_b2b: the SM clock and power meanwhile (clocks.py), which a power limit lowers.
+  found = {}
   try:
-    seconds, how = timing.batched(call, sync, n_sets=job["sets"], warmup_s=0.0,
-                                  reps=job["reps"], min_reps=min(3, job["min_reps"]),
-                                  budget_s=job["budget_s"] / 2, max_in_flight=2)
+    with clocks.sampling(found, "gpu_b2b"):
+      seconds, how = timing.batched(call, sync, n_sets=job["sets"], warmup_s=0.0,
+                                    reps=job["reps"], min_reps=min(3, job["min_reps"]),
+                                    budget_s=job["budget_s"] / 2, max_in_flight=2)
   except Exception as exc:  # pylint: disable=broad-except
     return {"b2b_status": peers.failure_status(exc), "b2b_reason": peers.describe_exception(exc)}
-  return {"ms_b2b": timing.summarize(seconds), "timing_b2b": how}
+  return {"ms_b2b": timing.summarize(seconds), "timing_b2b": how, **found}
 
 
 def _record_event(raw: dict, device: dict | None) -> dict:
@@ -176,10 +179,11 @@ def _run_peak(job: dict):
     compiled = jax.jit(jnp.dot).lower(*sets[0]).compile()
     record["compile_s"] = time.perf_counter() - t0
     yield stage("dense", "warm-up and timing")
-    seconds, how = timing.batched(lambda i: compiled(*sets[i]), jax.block_until_ready,
-                                  n_sets=job["sets"], warmup_s=job["peak_warmup_s"],
-                                  reps=job["reps"], min_reps=job["min_reps"],
-                                  budget_s=job["budget_s"])
+    with clocks.sampling(record, "gpu"):
+      seconds, how = timing.batched(lambda i: compiled(*sets[i]), jax.block_until_ready,
+                                    n_sets=job["sets"], warmup_s=job["peak_warmup_s"],
+                                    reps=job["reps"], min_reps=job["min_reps"],
+                                    budget_s=job["budget_s"])
     record.update(status="ok", ms=timing.summarize(seconds), timing=how)
   except Exception as exc:  # pylint: disable=broad-except
     record.update(status=peers.failure_status(exc), reason=peers.describe_exception(exc))
@@ -325,10 +329,12 @@ def _time_jax_mode(job, layer, params, sets, mode):
     del first
     yield stage(mode, f"warm-up and timing (first call {first_s * 1e3:.1f} ms)")
     run_once = timing.wall_clock(lambda i: compiled(*args(i)), jax.block_until_ready)
-    seconds, how = timing.repeat(run_once, n_sets=job["sets"], warmup=job["warmup"],
-                                 warmup_s=job["warmup_s"], reps=job["reps"],
-                                 min_reps=job["min_reps"], budget_s=job["budget_s"],
-                                 prior_s=first_s)
+    gpu = {}
+    with clocks.sampling(gpu, "gpu"):
+      seconds, how = timing.repeat(run_once, n_sets=job["sets"], warmup=job["warmup"],
+                                   warmup_s=job["warmup_s"], reps=job["reps"],
+                                   min_reps=job["min_reps"], budget_s=job["budget_s"],
+                                   prior_s=first_s)
     # Before the back-to-back calls, which hold two calls' buffers at once.
     peak = _peak_bytes()
     yield stage(mode, "back-to-back timing")
@@ -336,7 +342,7 @@ def _time_jax_mode(job, layer, params, sets, mode):
   except Exception as exc:  # pylint: disable=broad-except
     return {"status": peers.failure_status(exc), "reason": peers.describe_exception(exc)}
   return {"status": "ok", "ms": timing.summarize(seconds), "timing": how,
-          "compile_s": compile_s, "check": check, "peak_mem_bytes": peak, **b2b}
+          "compile_s": compile_s, "check": check, "peak_mem_bytes": peak, **gpu, **b2b}
 
 
 def _checksums(out, mode) -> dict:

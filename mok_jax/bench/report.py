@@ -164,6 +164,14 @@ def _fmt_ms(ms: float) -> str:
   return f"{ms:.4f}"
 
 
+def _fmt_gpu(gpu: dict | None, prefix: str) -> str:
+  """The SM clock and power that clocks.sampling recorded, or nothing."""
+  if not gpu:
+    return ""
+  return (f"{prefix}SM clock {gpu['sm_mhz']:.0f} MHz ({gpu['sm_mhz_min']:.0f}-"
+          f"{gpu['sm_mhz_max']:.0f}), {gpu['power_w']:.0f} W")
+
+
 def _fmt_tf(tf: float) -> str:
   return f"{tf:.1f}" if tf >= 1 else f"{tf:.3g}"
 
@@ -202,7 +210,7 @@ def _header(records: list[dict]) -> list[str]:
       if r.get("status") == "ok":
         lines.append(f"dense {r.get('dtype')} matmul {r['n']}^3 (jnp.dot, jit): "
                      f"{_fmt_ms(r['ms']['median'])} ms = {r['tflops']:.1f} TFLOP/s, the 100% "
-                     "of '% peak'")
+                     "of '% peak'" + _fmt_gpu(r.get("gpu"), ", at "))
         how = r.get("timing")
         if how:
           lines.append(
@@ -225,7 +233,9 @@ def _header(records: list[dict]) -> list[str]:
   if any(r.get("kind") == "moe" and r.get("ms_b2b") for r in records):
     lines.append("b2b: the same call timed back to back as the dense matmul is (median ms a call "
                  "of samples of about")
-    lines.append("  50 ms of calls, one sync each), without a sync's latency between two calls")
+    lines.append("  50 ms of calls, one sync each), without a sync's latency between two calls; "
+                 "b2b MHz: the median SM clock")
+    lines.append("  meanwhile (nvidia-smi every 0.1 s; a GPU at its power limit clocks lower)")
   lines.append("vs peer = the best peer's median / this median; compile s = jit lower+compile "
                "(JAX), first call (eager PyTorch)")
   return lines
@@ -245,9 +255,9 @@ def table(records: list[dict]) -> str:
   if not moe:
     return "\n".join(_header(records) + ["(no MoE records)"])
   notes = _Notes()
-  widths = (24, 10, 25, 8, 8, 8, 7, 8, 8, 9)
-  head = ("  impl", "median ms", "min-max ms", "TF/s", "b2b ms", "b2b TF/s", "% peak",
-          "vs peer", "mem GiB", "compile s")
+  widths = (24, 10, 25, 8, 8, 8, 7, 7, 8, 8, 9)
+  head = ("  impl", "median ms", "min-max ms", "TF/s", "b2b ms", "b2b TF/s", "b2b MHz",
+          "% peak", "vs peer", "mem GiB", "compile s")
   lines = _header(records)
   for mode in MODES:
     rows = [r for r in moe if r.get("mode") == mode]
@@ -279,12 +289,15 @@ def table(records: list[dict]) -> str:
         asked = (r.get("timing") or {}).get("reps_asked")
         if asked and ms.get("n", asked) < asked:
           spread += f" (n={ms['n']})"
-        b2b = ("-", "-")
+        b2b = ("-", "-", "-")
         if r.get("ms_b2b"):
-          b2b = (_fmt_ms(r["ms_b2b"]["median"]), _fmt_tf(r["tflops_b2b"]))
+          clock = (r.get("gpu_b2b") or {}).get("sm_mhz")
+          b2b = (_fmt_ms(r["ms_b2b"]["median"]), _fmt_tf(r["tflops_b2b"]),
+                 f"{clock:.0f}" if clock else "-")
         elif r.get("b2b_status"):
-          b2b = (STATUS_TEXT.get(r["b2b_status"], r["b2b_status"]) + " " + notes.ref(
-              f"{r['impl']} on {r['shape']} {mode}, back to back: {r.get('b2b_reason')}"), "-")
+          why = f"{r['impl']} on {r['shape']} {mode}, back to back: {r.get('b2b_reason')}"
+          b2b = (STATUS_TEXT.get(r["b2b_status"], r["b2b_status"]) + " " + notes.ref(why),
+                 "-", "-")
         cells = (median, spread, _fmt_tf(r["tflops"]), *b2b,
                  f"{r['pct_of_peak']:.1f}" if r.get("pct_of_peak") is not None else "-",
                  f"{speed:.2f}x" if speed else "-",
@@ -293,7 +306,7 @@ def table(records: list[dict]) -> str:
       else:
         status = STATUS_TEXT.get(r.get("status"), r.get("status") or "?")
         reason = r.get("reason") or ""
-        cells = (f"{status} {notes.ref(reason)}" if reason else status,) + ("",) * 8
+        cells = (f"{status} {notes.ref(reason)}" if reason else status,) + ("",) * 9
       lines.append("  ".join(str(c).ljust(w) for c, w in zip((impl,) + cells, widths)).rstrip())
   if notes.texts:
     lines.append("")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 
-from mok_jax.bench import inputs, peers, timing
+from mok_jax.bench import clocks, inputs, peers, timing
 from mok_jax.bench.jobs import back_to_back, failed, finite_or_text, resolve_dtype, stage
 from mok_jax.bench.shapes import Shape
 
@@ -198,10 +198,12 @@ def _time_mode(torch, job, params, sets, mode):
     check = _checksums(torch, first, mode)
     del first
     yield stage(mode, f"warm-up and timing (first call {first_s * 1e3:.1f} ms)")
-    seconds, how = timing.repeat(run_once, n_sets=job["sets"], warmup=job["warmup"],
-                                 warmup_s=job.get("warmup_s", 0.0), reps=job["reps"],
-                                 min_reps=job["min_reps"], budget_s=job["budget_s"],
-                                 prior_s=first_s)
+    gpu = {}
+    with clocks.sampling(gpu, "gpu"):
+      seconds, how = timing.repeat(run_once, n_sets=job["sets"], warmup=job["warmup"],
+                                   warmup_s=job.get("warmup_s", 0.0), reps=job["reps"],
+                                   min_reps=job["min_reps"], budget_s=job["budget_s"],
+                                   prior_s=first_s)
     peak = int(torch.cuda.max_memory_allocated())
     yield stage(mode, "back-to-back timing")
     b2b = back_to_back(call_and_event, lambda out: out[1].synchronize(), job)
@@ -209,7 +211,7 @@ def _time_mode(torch, job, params, sets, mode):
     return {"status": peers.failure_status(exc), "reason": peers.describe_exception(exc)}
   # Eager PyTorch compiles nothing: compile_s is its first call (kernel loading, cuBLAS setup).
   return {"status": "ok", "ms": timing.summarize(seconds), "timing": how, "compile_s": first_s,
-          "check": check, "peak_mem_bytes": peak, **b2b}
+          "check": check, "peak_mem_bytes": peak, **gpu, **b2b}
 
 
 def _checksums(torch, out, mode) -> dict:

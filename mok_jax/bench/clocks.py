@@ -1,0 +1,77 @@
+"""The GPU's SM clock and power draw while a timing runs, sampled with nvidia-smi.
+
+An H200 held busy reaches its 700 W power limit and lowers its SM clock, from 1980 MHz to
+1290-1620 MHz under mok_jax's back-to-back calls (2026-11-30): the same kernels time differently
+one synchronised call at a time, back to back, and on another machine of the pool. A record
+that carries the clock of its own timing says which of these it measured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import statistics
+import subprocess
+
+PERIOD_MS = 100
+QUERY = "clocks.sm,power.draw"
+
+
+def gpu_index(visible: str | None = None) -> str:
+  """nvidia-smi's name for the device the job runs on: the first of CUDA_VISIBLE_DEVICES (an
+  index or a UUID), else 0."""
+  visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
+  first = (visible or "").split(",")[0].strip()
+  return first or "0"
+
+
+def parse(text: str) -> dict | None:
+  """nvidia-smi's `--format=csv,noheader,nounits` lines of QUERY -> medians and ranges, or None
+  without a sample (lines that are not two numbers, such as "[N/A]", are left out)."""
+  mhz, watts = [], []
+  for line in text.splitlines():
+    fields = [f.strip() for f in line.split(",")]
+    if len(fields) != 2:
+      continue
+    try:
+      m, w = float(fields[0]), float(fields[1])
+    except ValueError:
+      continue
+    mhz.append(m)
+    watts.append(w)
+  if not mhz:
+    return None
+  return {"sm_mhz": statistics.median(mhz), "sm_mhz_min": min(mhz), "sm_mhz_max": max(mhz),
+          "power_w": round(statistics.median(watts), 1), "power_w_max": max(watts),
+          "samples": len(mhz)}
+
+
+@contextlib.contextmanager
+def sampling(out: dict, key: str, *, command: str = "nvidia-smi", period_ms: int = PERIOD_MS):
+  """Samples the job's GPU every period_ms while the block runs; then out[key] = parse(...).
+  Without nvidia-smi (a CPU machine) or without a sample, out is left as it is: the timing
+  never depends on the sampler."""
+  exe = shutil.which(command)
+  if exe is None:
+    yield
+    return
+  try:
+    proc = subprocess.Popen(
+        [exe, "-i", gpu_index(), f"--query-gpu={QUERY}", "--format=csv,noheader,nounits",
+         "-lms", str(period_ms)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+  except OSError:
+    yield
+    return
+  try:
+    yield
+  finally:
+    proc.terminate()
+    try:
+      text, _ = proc.communicate(timeout=5)
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      text, _ = proc.communicate()
+    found = parse(text or "")
+    if found:
+      out[key] = found

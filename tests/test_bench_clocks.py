@@ -1,0 +1,84 @@
+"""The bench's SM clock and power sampling (mok_jax.bench.clocks), with a stand-in nvidia-smi:
+what a record carries, what the report prints, and that timing goes on without nvidia-smi."""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+import textwrap
+import time
+
+import pytest
+
+from mok_jax.bench import clocks, jobs, report
+
+# Prints its arguments to $FAKE_SMI_ARGS, then a sample every 10 ms until terminated.
+FAKE_SMI = textwrap.dedent(f"""\
+    #!{sys.executable}
+    import os, sys, time
+    with open(os.environ["FAKE_SMI_ARGS"], "w") as f:
+      f.write(" ".join(sys.argv[1:]))
+    for i in range(100000):
+      print("[N/A], [N/A]" if i == 0 else f"{{1400 + 10 * (i % 3)}}, {{690 + i % 2}}.5",
+            flush=True)
+      time.sleep(0.01)
+    """)
+
+
+@pytest.fixture
+def fake_smi(tmp_path, monkeypatch):
+  exe = tmp_path / "nvidia-smi"
+  exe.write_text(FAKE_SMI)
+  exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+  monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+  monkeypatch.setenv("FAKE_SMI_ARGS", str(tmp_path / "args"))
+  monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+  return tmp_path / "args"
+
+
+def test_parse_takes_medians_and_skips_what_is_not_a_sample():
+  got = clocks.parse("1980, 121.0\n[N/A], [N/A]\n1500, 700.5\n1290, 690.0\n\n")
+  assert got == {"sm_mhz": 1500.0, "sm_mhz_min": 1290.0, "sm_mhz_max": 1980.0,
+                 "power_w": 690.0, "power_w_max": 700.5, "samples": 3}
+  assert clocks.parse("") is None and clocks.parse("No devices were found\n") is None
+
+
+@pytest.mark.parametrize("visible,index", [(None, "0"), ("", "0"), ("2", "2"), ("3, 1", "3"),
+                                           ("GPU-8c1e", "GPU-8c1e")])
+def test_gpu_index_is_the_jobs_first_visible_device(visible, index, monkeypatch):
+  monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+  assert clocks.gpu_index(visible) == index
+
+
+def test_back_to_back_records_the_clock_it_ran_at(fake_smi):
+  # Calls of 20 ms, samples of about 50 ms of them: the stand-in has started long before the end.
+  got = jobs.back_to_back(lambda i: time.sleep(0.02), lambda out: None,
+                          {"sets": 2, "reps": 8, "min_reps": 8, "budget_s": 2.0})
+  gpu = got["gpu_b2b"]
+  assert gpu["samples"] >= 2 and gpu["sm_mhz_min"] >= 1400 and gpu["sm_mhz_max"] <= 1420
+  assert 690 <= gpu["power_w"] <= 691.5
+  args = fake_smi.read_text().split()
+  assert args[:2] == ["-i", "3"] and "--query-gpu=clocks.sm,power.draw" in args
+
+  peak = {"kind": "peak", "run_id": "r", "status": "ok", "dtype": "bf16", "n": 10000,
+          "flops": int(2e12), "ms": {"median": 2.0}, "gpu": gpu}
+  moe = {"kind": "moe", "run_id": "r", "date": "d", "impl": "mok_jax:cuda", "group": "mok_jax",
+         "mode": "fwd", "status": "ok", "shape": "s", "T": 4, "H": 8, "I": 16, "E": 2, "k": 1,
+         "Is": 0, "dtype": "bf16", "skew": 0.0, "seed": 0, "flops": int(1e12),
+         "ms": {"median": 1.0, "min": 1.0, "max": 1.0}, "check": {}, **got}
+  text = report.table(report.derive([peak, moe]))
+  assert "b2b MHz" in text and f"SM clock {gpu['sm_mhz']:.0f} MHz" in text
+  row = next(line for line in text.splitlines() if line.startswith("  mok_jax:cuda"))
+  assert f"{gpu['sm_mhz']:.0f}" in row.split()
+
+
+def test_without_nvidia_smi_the_timing_stands_alone(tmp_path, monkeypatch):
+  monkeypatch.setenv("PATH", str(tmp_path))
+  got = jobs.back_to_back(lambda i: i, lambda out: None,
+                          {"sets": 1, "reps": 2, "min_reps": 2, "budget_s": 0.2})
+  assert "gpu_b2b" not in got and got["ms_b2b"]["n"] == 2
+  out = {}
+  with clocks.sampling(out, "gpu"):
+    pass
+  assert out == {}
