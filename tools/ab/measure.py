@@ -1,6 +1,7 @@
 """One build's figures for tools/ab/run.sh: per bench shape, the bits of y and every gradient
 (sha1); the wall-clock medians of the forward and of forward+backward, a call and a
-synchronisation at a time and back to back (two calls in flight), as the bench times them; and
+synchronisation at a time and back to back (two calls in flight, with the SM clock and power
+meanwhile, which a power limit lowers: compare builds at like clocks), as the bench times them; and
 for each of the two the GPU time of each kernel and a call's span on the GPU, its first
 kernel's start to its last one's end (jax.profiler, five calls; the span less the kernels'
 time is the GPU idle inside a call; XLA runs without command buffers while profiling).
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import mok_jax
+from mok_jax.bench import clocks
 from mok_jax.bench import inputs as bench_inputs
 from mok_jax.bench import shapes as bench_shapes
 from mok_jax.bench import timing
@@ -110,11 +112,16 @@ def main(argv):
                                  budget_s=60.0)
       median = timing.summarize(seconds)["median"]
       print(f"{name} {shape_name} wall {mode} {median:.3f} ms", flush=True)
-      seconds, _ = timing.batched(lambda i, f=f: f(*args), jax.block_until_ready, n_sets=1,
-                                  warmup_s=0.5, reps=10, min_reps=5, budget_s=10.0,
-                                  max_in_flight=2)
+      # Back to back the GPU reaches its power limit: the SM clock meanwhile, to compare at.
+      gpu = {}
+      with clocks.sampling(gpu, "b2b"):
+        seconds, _ = timing.batched(lambda i, f=f: f(*args), jax.block_until_ready, n_sets=1,
+                                    warmup_s=0.5, reps=10, min_reps=5, budget_s=10.0,
+                                    max_in_flight=2)
       median = timing.summarize(seconds)["median"]
-      print(f"{name} {shape_name} b2b {mode} {median:.3f} ms", flush=True)
+      clock = (f" at {gpu['b2b']['sm_mhz']:.0f} MHz, {gpu['b2b']['power_w']:.0f} W"
+               if gpu else "")
+      print(f"{name} {shape_name} b2b {mode} {median:.3f} ms{clock}", flush=True)
     for mode, f in (("fwd", f_fwd), ("fwd+bwd", f_step)):
       kernels = collections.Counter()
       per_kernel, span = kernel_ms(f, args, f"{name}_{shape_name}_{mode}")
