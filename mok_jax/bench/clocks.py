@@ -48,18 +48,18 @@ def parse(text: str) -> dict | None:
 
 
 @contextlib.contextmanager
-def sampling(out: dict, key: str, *, command: str = "nvidia-smi", period_ms: int = PERIOD_MS):
-  """Samples the job's GPU every period_ms while the block runs; then out[key] = parse(...).
+def sampling(out: dict, key: str):
+  """Samples the job's GPU every PERIOD_MS while the block runs; then out[key] = parse(...).
   Without nvidia-smi (a CPU machine) or without a sample, out is left as it is: the timing
   never depends on the sampler."""
-  exe = shutil.which(command)
+  exe = shutil.which("nvidia-smi")
   if exe is None:
     yield
     return
   try:
     proc = subprocess.Popen(
         [exe, "-i", gpu_index(), f"--query-gpu={QUERY}", "--format=csv,noheader,nounits",
-         "-lms", str(period_ms)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+         "-lms", str(PERIOD_MS)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
   except OSError:
     yield
     return

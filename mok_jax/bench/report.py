@@ -164,11 +164,11 @@ def _fmt_ms(ms: float) -> str:
   return f"{ms:.4f}"
 
 
-def _fmt_gpu(gpu: dict | None, prefix: str) -> str:
-  """The SM clock and power that clocks.sampling recorded, or nothing."""
+def _fmt_gpu(gpu: dict | None) -> str:
+  """The SM clock and power that clocks.sampling recorded (after ", at "), or nothing."""
   if not gpu:
     return ""
-  return (f"{prefix}SM clock {gpu['sm_mhz']:.0f} MHz ({gpu['sm_mhz_min']:.0f}-"
+  return (f", at SM clock {gpu['sm_mhz']:.0f} MHz ({gpu['sm_mhz_min']:.0f}-"
           f"{gpu['sm_mhz_max']:.0f}), {gpu['power_w']:.0f} W")
 
 
@@ -210,7 +210,7 @@ def _header(records: list[dict]) -> list[str]:
       if r.get("status") == "ok":
         lines.append(f"dense {r.get('dtype')} matmul {r['n']}^3 (jnp.dot, jit): "
                      f"{_fmt_ms(r['ms']['median'])} ms = {r['tflops']:.1f} TFLOP/s, the 100% "
-                     "of '% peak'" + _fmt_gpu(r.get("gpu"), ", at "))
+                     "of '% peak'" + _fmt_gpu(r.get("gpu")))
         how = r.get("timing")
         if how:
           lines.append(
