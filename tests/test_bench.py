@@ -573,6 +573,19 @@ def test_back_to_back_figures_and_failure():
   assert "out of memory [1]" in text
 
 
+def test_report_shows_the_clocks():
+  """The SM clock that clocks.sampling recorded: in the b2b MHz column and the dense line."""
+  gpu = {"sm_mhz": 1395.0, "sm_mhz_min": 1110.0, "sm_mhz_max": 1845.0, "power_w": 686.7,
+         "power_w_max": 706.1, "samples": 9}
+  peak = {"kind": "peak", "run_id": "r", "status": "ok", "dtype": "bf16", "n": 10000,
+          "flops": int(2e12), "ms": {"median": 2.0}, "gpu": dict(gpu, sm_mhz=1500.0)}
+  ok = dict(_record("mok_jax:cuda", "mok_jax", 2.0, {}), ms_b2b={"median": 1.0}, gpu_b2b=gpu)
+  text = report.table(report.derive([peak, ok]))
+  assert "b2b MHz" in text and "at SM clock 1500 MHz (1110-1845), 687 W" in text
+  row = next(line for line in text.splitlines() if line.startswith("  mok_jax:cuda"))
+  assert "1395" in row.split()
+
+
 def test_latest_keeps_newest_record_per_case():
   old = dict(_record("jax.ragged_dot", "peer", 5.0, {}), date="2026-01-01")
   new = dict(_record("jax.ragged_dot", "peer", 4.0, {}), date="2026-02-01")

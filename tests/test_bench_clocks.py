@@ -1,5 +1,6 @@
 """The bench's SM clock and power sampling (mok_jax.bench.clocks), with a stand-in nvidia-smi:
-what a record carries, what the report prints, and that timing goes on without nvidia-smi."""
+what a record carries, and that timing goes on without nvidia-smi (test_bench.py: what the
+report prints of it)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 
 import pytest
 
-from mok_jax.bench import clocks, jobs, report
+from mok_jax.bench import clocks, jobs
 
 # Prints its arguments to $FAKE_SMI_ARGS, then a sample every 10 ms until terminated.
 FAKE_SMI = textwrap.dedent(f"""\
@@ -60,17 +61,6 @@ def test_back_to_back_records_the_clock_it_ran_at(fake_smi):
   assert 690 <= gpu["power_w"] <= 691.5
   args = fake_smi.read_text().split()
   assert args[:2] == ["-i", "3"] and "--query-gpu=clocks.sm,power.draw" in args
-
-  peak = {"kind": "peak", "run_id": "r", "status": "ok", "dtype": "bf16", "n": 10000,
-          "flops": int(2e12), "ms": {"median": 2.0}, "gpu": gpu}
-  moe = {"kind": "moe", "run_id": "r", "date": "d", "impl": "mok_jax:cuda", "group": "mok_jax",
-         "mode": "fwd", "status": "ok", "shape": "s", "T": 4, "H": 8, "I": 16, "E": 2, "k": 1,
-         "Is": 0, "dtype": "bf16", "skew": 0.0, "seed": 0, "flops": int(1e12),
-         "ms": {"median": 1.0, "min": 1.0, "max": 1.0}, "check": {}, **got}
-  text = report.table(report.derive([peak, moe]))
-  assert "b2b MHz" in text and f"SM clock {gpu['sm_mhz']:.0f} MHz" in text
-  row = next(line for line in text.splitlines() if line.startswith("  mok_jax:cuda"))
-  assert f"{gpu['sm_mhz']:.0f}" in row.split()
 
 
 def test_without_nvidia_smi_the_timing_stands_alone(tmp_path, monkeypatch):
