@@ -62,10 +62,13 @@ __device__ __forceinline__ void WithSlot(int i, F f) {
 template <class Kind0, class Kind1, int kSlot>
 using SlotKind = std::conditional_t<(kSlot < 2), Kind0, Kind1>;
 
-template <class Kind0, class Kind1, int kSlots>
-__global__ void __launch_bounds__(GemmConfig::kThreads, 1)
-    GemmChainKernel(const __grid_constant__ ChainParams c) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// The tiles of the chain `c` that this CTA takes, in the role of one warpgroup, run once a
+// warpgroup has set its registers (setmaxnreg): kProducer for warpgroup 0, whose thread 0
+// issues the loads, else a consumer warpgroup's. The roles meet at CTA barriers in their
+// separate copies of this code, hence CtaSync rather than __syncthreads. `next`: another chain
+// follows in the same shared memory, so the barriers are invalidated at the end.
+template <class Kind0, class Kind1, int kSlots, bool kProducer>
+__device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw, bool next) {
   static_assert(Kind0::kMajorA == Kind1::kMajorA && Kind0::kMajorB == Kind1::kMajorB &&
                     Kind0::kSched == Kind1::kSched,
                 "the GEMMs of a chain share shared-memory layouts, MMA and schedule");
@@ -76,13 +79,13 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
   using C = GemmConfig;
   using Smem = GemmSmemOf<Kind0>;
   constexpr Schedule kSched = Kind0::kSched;
-  extern __shared__ uint8_t smem_raw[];
+  constexpr int kConsumerThreads = 128 * C::kConsumerWarpgroups;
   // 128-byte swizzling is a function of address bits 4-9: stages start 1024-byte aligned.
   Smem& smem = *reinterpret_cast<Smem*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   ChainSmem& cs = *reinterpret_cast<ChainSmem*>(&smem + 1);
-  const int warpgroup = threadIdx.x / 128;
-  // The slots with offsets share them (LaunchQueued checks): one copy in shared memory.
+  // The slots with offsets share them (LaunchQueued checks): one copy in shared memory, which
+  // the consumers write and scan (they have the registers for it).
   const int32_t* group_offsets = nullptr;
   const int32_t* row_tokens = nullptr;
   int groups = 0;
@@ -95,18 +98,21 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
   }
   const int32_t* tile_start = nullptr;
   if (group_offsets) {
-    for (int g = threadIdx.x; g <= groups; g += C::kThreads) smem.offsets[g] = group_offsets[g];
-    __syncthreads();
+    if (!kProducer) {
+      for (int g = threadIdx.x - 128; g <= groups; g += kConsumerThreads)
+        smem.offsets[g] = group_offsets[g];
+    }
+    CtaSync();
     if (kSched == Schedule::kRowsByGroup) {
-      if (threadIdx.x / 32 == 1) ScanGroupTiles(smem.offsets, groups, threadIdx.x % 32,
-                                                smem.tile_start);
+      if (!kProducer && threadIdx.x / 32 == 4)
+        ScanGroupTiles(smem.offsets, groups, threadIdx.x % 32, smem.tile_start);
       tile_start = smem.tile_start;
-    } else if (row_tokens) {
-      UsedRowEnds(smem.offsets, row_tokens, groups, threadIdx.x / 32, C::kThreads / 32,
+    } else if (row_tokens && !kProducer) {
+      UsedRowEnds(smem.offsets, row_tokens, groups, threadIdx.x / 32 - 4, kConsumerThreads / 32,
                   threadIdx.x % 32, smem.used_end);
     }
   }
-  if (threadIdx.x == 0) {
+  if (kProducer && threadIdx.x == 0) {
     CUTE_UNROLL
     for (int i = 0; i < kSlots; ++i) {
       WithSlot<kSlots>(i, [&](auto s) __attribute__((always_inline)) {
@@ -134,73 +140,65 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     }
     for (int s = 0; s < kTileSlots; ++s) {
       BarrierInit(&cs.slot_full[s], 1);
-      BarrierInit(&cs.slot_empty[s], 128 * C::kConsumerWarpgroups);
+      BarrierInit(&cs.slot_empty[s], kConsumerThreads);
     }
     FenceBarrierInit();
   }
-  __syncthreads();  // the scan is done
-  if (threadIdx.x == 0) {
-    int64_t first = 0;
-    CUTE_UNROLL
-    for (int i = 0; i < kSlots; ++i) {
-      cs.first_tile[i] = first;
-      first += TileCount<kSched>(c.gemm[i], c.gemm[i].offsets ? tile_start : nullptr);
-    }
-    cs.first_tile[kSlots] = first;
-  }
-  __syncthreads();
-  // The tile of slot i at linear index `linear` (the producer's to compute).
-  auto schedule = [&](auto slot, int64_t linear) __attribute__((always_inline)) {
-    const GemmParams& p = c.gemm[decltype(slot)::value];
-    using Kind = SlotKind<Kind0, Kind1, decltype(slot)::value>;
-    constexpr int kTileCols = Kind::kEpi == Epilogue::kSwiGLU ? C::kBlockN / 2 : C::kBlockN;
-    return ScheduleTile<kSched, Kind0::kBlockK, kTileCols>(
-        p, p.offsets ? smem.offsets : nullptr, p.offsets ? tile_start : nullptr,
-        kSched == Schedule::kGroupedK && p.offsets && p.row_tokens ? smem.used_end : nullptr,
-        linear - cs.first_tile[decltype(slot)::value]);
-  };
+  CtaSync();  // the scan and the barriers are done
 
   // Both roles walk the same tiles in the same order; `it` keeps their rings in step.
   uint32_t it = 0;
-  if (warpgroup == 0) {
-    SetMaxRegistersDec<C::kProducerRegs>();
-    if (threadIdx.x != 0) return;
-    const int64_t total = cs.first_tile[kSlots];
-    for (uint32_t j = 0;; ++j) {
-      const int slot = j % kTileSlots;
-      // The weight gradients' tiles wait on nothing and cost about the same: CTA b takes tiles
-      // b, b + grid, b + 2 grid, ..., the order the queue hands out when all keep pace, without
-      // an atomic round trip on one shared counter before every tile. The other launches take
-      // tiles from the queue, as SMs free up (tiles waiting on rows, ragged row tiles).
-      const int64_t linear = kSched == Schedule::kGroupedK
-                                 ? blockIdx.x + int64_t{j} * gridDim.x
-                                 : int64_t{atomicAdd(c.queue, 1)};
-      const int i = linear < total ? ChainIndex(cs, kSlots, linear) : -1;
-      GemmTile tile{};
-      if (i >= 0) {
+  if constexpr (kProducer) {
+    if (threadIdx.x == 0) {
+      int64_t total = 0;
+      CUTE_UNROLL
+      for (int i = 0; i < kSlots; ++i) {
+        cs.first_tile[i] = total;
+        total += TileCount<kSched>(c.gemm[i], c.gemm[i].offsets ? tile_start : nullptr);
+      }
+      cs.first_tile[kSlots] = total;
+      // The tile of slot i at linear index `linear`.
+      auto schedule = [&](auto slot, int64_t linear) __attribute__((always_inline)) {
+        const GemmParams& p = c.gemm[decltype(slot)::value];
+        using Kind = SlotKind<Kind0, Kind1, decltype(slot)::value>;
+        constexpr int kTileCols = Kind::kEpi == Epilogue::kSwiGLU ? C::kBlockN / 2 : C::kBlockN;
+        return ScheduleTile<kSched, Kind0::kBlockK, kTileCols>(
+            p, p.offsets ? smem.offsets : nullptr, p.offsets ? tile_start : nullptr,
+            kSched == Schedule::kGroupedK && p.offsets && p.row_tokens ? smem.used_end : nullptr,
+            linear - cs.first_tile[decltype(slot)::value]);
+      };
+      for (uint32_t j = 0;; ++j) {
+        const int slot = j % kTileSlots;
+        // Tiles go out in queue order, as SMs free up (tiles waiting on rows, ragged row tiles,
+        // CTAs that join from another chain).
+        const int64_t linear = atomicAdd(c.queue, 1);
+        const int i = linear < total ? ChainIndex(cs, kSlots, linear) : -1;
+        GemmTile tile{};
+        if (i >= 0) {
+          WithSlot<kSlots>(i, [&](auto s) __attribute__((always_inline)) {
+            tile = schedule(s, linear);
+          });
+        }
+        BarrierWait(&cs.slot_empty[slot], ((j / kTileSlots) & 1) ^ 1);
+        cs.slot_tile[slot] = tile;
+        cs.slot_chain[slot] = i;
+        BarrierArrive(&cs.slot_full[slot]);
+        if (i < 0) break;
         WithSlot<kSlots>(i, [&](auto s) __attribute__((always_inline)) {
-          tile = schedule(s, linear);
+          constexpr int kSlot = decltype(s)::value;
+          if (c.wait_base[kSlot] >= 0) {
+            // A is rows that another slot of this launch writes: wait for all of that slot's
+            // column tiles of this row tile. Every tile handed out before this one is running
+            // or done, and a waited-on tile waits on nothing itself: no deadlock, whatever the
+            // grid.
+            WaitAtLeast(c.ready + c.wait_base[kSlot] + tile.row_tile, c.wait_count[kSlot]);
+            FenceProxyAsyncGlobal();
+          }
+          LoadTile<SlotKind<Kind0, Kind1, kSlot>>(c.gemm[kSlot], tile, smem, it);
         });
       }
-      BarrierWait(&cs.slot_empty[slot], ((j / kTileSlots) & 1) ^ 1);
-      cs.slot_tile[slot] = tile;
-      cs.slot_chain[slot] = i;
-      BarrierArrive(&cs.slot_full[slot]);
-      if (i < 0) break;
-      WithSlot<kSlots>(i, [&](auto s) __attribute__((always_inline)) {
-        constexpr int kSlot = decltype(s)::value;
-        if (c.wait_base[kSlot] >= 0) {
-          // A is rows that another slot of this launch writes: wait for all of that slot's
-          // column tiles of this row tile. Every tile handed out before this one is running or
-          // done, and a waited-on tile waits on nothing itself: no deadlock, whatever the grid.
-          WaitAtLeast(c.ready + c.wait_base[kSlot] + tile.row_tile, c.wait_count[kSlot]);
-          FenceProxyAsyncGlobal();
-        }
-        LoadTile<SlotKind<Kind0, Kind1, kSlot>>(c.gemm[kSlot], tile, smem, it);
-      });
     }
   } else {
-    SetMaxRegistersInc<C::kConsumerRegs>();
     const int thread = threadIdx.x - 128;
 #pragma unroll 1
     for (uint32_t j = 0;; ++j) {
@@ -210,7 +208,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
       const GemmTile tile = cs.slot_tile[slot];
       BarrierArrive(&cs.slot_empty[slot]);
       if (i < 0) break;
-      const int wg = warpgroup - 1;
+      const int wg = thread / 128;
       // After a tile's stores: if another slot reads these rows with TMA, publish them once all
       // 256 threads' stores are visible to the async proxy at GPU scope.
       auto publish = [&](auto s) __attribute__((always_inline)) {
@@ -218,7 +216,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
         if (!Kind0::kTmaStore && c.ready_base[kSlot] >= 0) {
           FenceProxyAsyncGlobal();
           __threadfence();
-          NamedBarrierSync(1, 128 * C::kConsumerWarpgroups);
+          NamedBarrierSync(1, kConsumerThreads);
           if (thread == 0) AddRelease(c.ready + c.ready_base[kSlot] + tile.row_tile, 1);
         }
       };
@@ -258,6 +256,71 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     }
     // The staging must outlive the last TMA stores' reads of it.
     if (Kind0::kTmaStore && thread % 128 == 0) BulkWaitAll();
+  }
+  if (next) {
+    // Every stage has been consumed and every store has read its staging. The next chain lays
+    // its stages over this one's generic-proxy data (and the reverse): order the two proxies'
+    // accesses, then end the barriers' lives.
+    FenceProxyAsyncShared();
+    CtaSync();
+    if (kProducer && threadIdx.x == 0) {
+      for (int s = 0; s < Kind0::kStages; ++s) {
+        BarrierInval(&smem.full[s]);
+        BarrierInval(&smem.empty[s]);
+      }
+      for (int s = 0; s < kTileSlots; ++s) {
+        BarrierInval(&cs.slot_full[s]);
+        BarrierInval(&cs.slot_empty[s]);
+      }
+    }
+    CtaSync();
+  }
+}
+
+template <class Kind0, class Kind1, int kSlots>
+__global__ void __launch_bounds__(GemmConfig::kThreads, 1)
+    GemmChainKernel(const __grid_constant__ ChainParams c) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ uint8_t smem_raw[];
+  if (threadIdx.x < 128) {
+    SetMaxRegistersDec<GemmConfig::kProducerRegs>();
+    RunChain<Kind0, Kind1, kSlots, true>(c, smem_raw, false);
+  } else {
+    SetMaxRegistersInc<GemmConfig::kConsumerRegs>();
+    RunChain<Kind0, Kind1, kSlots, false>(c, smem_raw, false);
+  }
+#endif
+}
+
+// Two independent chains in one launch: CTAs [0, ctas_a) take chain a's tiles first, the
+// others chain b's, and each CTA goes on to the other chain once its own has no tiles left, so
+// that no SM idles while either has work. Nothing of one chain waits for the other; both take
+// their tiles from their queues. The backward runs its dx GEMM beside its weight gradients so:
+// the first reads the weights from HBM, the second writes their gradients, and each alone
+// leaves HBM or the tensor pipe idle much of its time.
+template <class KindA0, class KindA1, class KindB0, class KindB1>
+__global__ void __launch_bounds__(GemmConfig::kThreads, 1)
+    DualChainKernel(const __grid_constant__ ChainParams a, const __grid_constant__ ChainParams b,
+                    int ctas_a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ uint8_t smem_raw[];
+  const bool a_first = static_cast<int>(blockIdx.x) < ctas_a;
+  auto run = [&](auto producer) __attribute__((always_inline)) {
+    constexpr bool kProducer = decltype(producer)::value;
+    if (a_first) {
+      RunChain<KindA0, KindA1, kMaxChain, kProducer>(a, smem_raw, true);
+      RunChain<KindB0, KindB1, kMaxChain, kProducer>(b, smem_raw, false);
+    } else {
+      RunChain<KindB0, KindB1, kMaxChain, kProducer>(b, smem_raw, true);
+      RunChain<KindA0, KindA1, kMaxChain, kProducer>(a, smem_raw, false);
+    }
+  };
+  if (threadIdx.x < 128) {
+    SetMaxRegistersDec<GemmConfig::kProducerRegs>();
+    run(std::true_type{});
+  } else {
+    SetMaxRegistersInc<GemmConfig::kConsumerRegs>();
+    run(std::false_type{});
   }
 #endif
 }

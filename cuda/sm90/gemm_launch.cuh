@@ -2,6 +2,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 
@@ -119,11 +120,10 @@ const char* LaunchChain(const ChainParams& c, int64_t ctas, cudaStream_t stream)
   return Check(cudaGetLastError());
 }
 
-// The prepared GEMMs of `c` on a persistent grid that takes its tiles from c.queue.
-template <class Kind0, class Kind1>
-const char* LaunchQueued(const ChainParams& c, cudaStream_t stream) {
-  // The kernel keeps one copy of the row groups (offsets, and the used rows' ends found from
-  // row_tokens) in shared memory: the slots that have row groups must have the same ones.
+// The upper bound on the tiles of the chain `c`, or an error: the kernel keeps one copy of the
+// row groups (offsets, and the used rows' ends found from row_tokens) in shared memory, so the
+// slots that have row groups must have the same ones.
+inline const char* ChainTiles(const ChainParams& c, int64_t* tiles) {
   const GemmParams* grouped = nullptr;
   for (const GemmParams& p : c.gemm) {
     if (p.offsets == nullptr) continue;
@@ -132,12 +132,54 @@ const char* LaunchQueued(const ChainParams& c, cudaStream_t stream) {
       return "the GEMMs of one launch with row groups must share them";
     grouped = &p;
   }
+  *tiles = 0;
+  for (int i = 0; i < kMaxChain; ++i) *tiles += c.gemm[i].tiles;
+  return nullptr;
+}
+
+// The prepared GEMMs of `c` on a persistent grid that takes its tiles from c.queue.
+template <class Kind0, class Kind1>
+const char* LaunchQueued(const ChainParams& c, cudaStream_t stream) {
   int64_t tiles = 0;
-  for (int i = 0; i < kMaxChain; ++i) tiles += c.gemm[i].tiles;
+  if (auto err = ChainTiles(c, &tiles)) return err;
   if (tiles == 0) return nullptr;
   int sms = 0;
   if (auto err = SmCount(&sms)) return err;
   return LaunchChain<Kind0, Kind1, kMaxChain>(c, std::min<int64_t>(tiles, sms), stream);
+}
+
+// The independent chains `a` and `b` (no slot of either waits for counts) in
+// one persistent launch (DualChainKernel): the CTAs start on the two in proportion to
+// `share_a` (in [0, 1]) and each goes on to the other chain when its own runs out.
+template <class KindA0, class KindA1, class KindB0, class KindB1>
+const char* LaunchDual(const ChainParams& a, const ChainParams& b, double share_a,
+                       cudaStream_t stream) {
+  int64_t tiles_a = 0, tiles_b = 0;
+  if (auto err = ChainTiles(a, &tiles_a)) return err;
+  if (auto err = ChainTiles(b, &tiles_b)) return err;
+  for (int i = 0; i < kMaxChain; ++i) {
+    if (a.wait_base[i] >= 0 || b.wait_base[i] >= 0)
+      return "the chains of a dual launch cannot wait for counts";
+    if ((KindA0::kTmaStore && a.ready_base[i] >= 0) || (KindB0::kTmaStore && b.ready_base[i] >= 0))
+      return "a TMA-stored GEMM's rows cannot be waited on within its launch";
+  }
+  if (tiles_a + tiles_b == 0) return nullptr;
+  int sms = 0;
+  if (auto err = SmCount(&sms)) return err;
+  const int64_t ctas = std::min<int64_t>(tiles_a + tiles_b, sms);
+  const int64_t ctas_a =
+      tiles_b == 0   ? ctas
+      : tiles_a == 0 ? 0
+                     : std::clamp<int64_t>(std::llround(share_a * static_cast<double>(ctas)), 1,
+                                           ctas - 1);
+  constexpr size_t kSmem = std::max(kGemmSmemBytes<KindA0>, kGemmSmemBytes<KindB0>);
+  const void* kernel =
+      reinterpret_cast<const void*>(DualChainKernel<KindA0, KindA1, KindB0, KindB1>);
+  if (auto err = Check(AllowSharedMemory(kernel, static_cast<int>(kSmem)))) return err;
+  DualChainKernel<KindA0, KindA1, KindB0, KindB1>
+      <<<static_cast<unsigned>(ctas), GemmConfig::kThreads, kSmem, stream>>>(
+          a, b, static_cast<int>(ctas_a));
+  return Check(cudaGetLastError());
 }
 
 // An empty chain: no slot has tiles, waits or counts.

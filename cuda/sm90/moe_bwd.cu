@@ -2,10 +2,10 @@
 //
 //   gu, h = SwiGLU(xs @ [w_gate | w_up]) (recompute only)  LaunchExpertMlps, as the forward
 //   dy_r = w * dy (gathered), dweights = <dy, y_routed>    ScaleGatherKernel
-//   dgu, h = SwiGLU'(dy_r @ w_down^T)                      BwdDown   } one launch: LaunchDataGrads
-//   dx_r = dgu @ [w_gate | w_up]^T  (f32)                  BwdGateUp }
-//   dw_down = h^T @ dy_r, [dw_gate | dw_up] = xs^T @ dgu   BwdWeights, one CTA per output tile,
-//                                                          one launch: LaunchWeightGrads
+//   dgu, h = SwiGLU'(dy_r @ w_down^T)                      BwdDown
+//   dx_r = dgu @ [w_gate | w_up]^T  (f32)                  BwdGateUp  } one launch (LaunchDual),
+//   dw_down = h^T @ dy_r, [dw_gate | dw_up] = xs^T @ dgu   BwdWeights } CTAs on either chain;
+//                                                          one CTA per weight-gradient tile
 //   dx = sum_j dx_r[pos] + shared dx                       CombineKernel
 //
 // Every reduction has a single owner and a fixed order: the same bits on every run.
@@ -38,40 +38,37 @@ struct MlpGrads {
   void *dgu, *h;      // scratch
   float* dx_rows;     // (m, H)
   void *dw_gate, *dw_up, *dw_down;
-  int ready_base;     // where its per-row-tile counts of dgu start in the ready counts
 };
 
-// The data gradients of the MLPs (routed, and the shared one if count = 2) in one persistent
-// launch: dgu, h = SwiGLU'(dy_r @ w_down^T) (slots 0, 1), then dx_r = dgu @ [w_gate | w_up]^T
-// (slots 2, 3), each of whose tiles waits for the dgu of its rows.
-const char* LaunchDataGrads(const MlpGrads* mlps, int count, int32_t* counter, int32_t* ready,
-                            cudaStream_t stream) {
-  ChainParams c = sm90::EmptyChain();
-  c.queue = counter, c.ready = ready;
+// The data gradients of the MLPs (routed, and the shared one if count = 2) as two chains, each
+// GEMM in slot j of the MLP: `down` computes dgu, h = SwiGLU'(dy_r @ w_down^T), `dx` then dx_r
+// = dgu @ [w_gate | w_up]^T.
+const char* DataGradChains(const MlpGrads* mlps, int count, ChainParams* down_chain,
+                           ChainParams* dx_chain) {
+  *down_chain = sm90::EmptyChain();
+  *dx_chain = sm90::EmptyChain();
   for (int j = 0; j < count; ++j) {
     const MlpGrads& g = mlps[j];
     const int H = static_cast<int>(g.H), I = static_cast<int>(g.I);
     // dh = dy_r @ w_down^T; B(n, k) = w_down[group * I + n, k].
-    GemmParams& down = c.gemm[j];
+    GemmParams& down = down_chain->gemm[j];
     down = sm90::RowGroups(g.offsets, g.block_m, g.groups, g.m);
     down.n = I, down.k = H, down.k_split = H, down.n_split = I;
     down.aux = static_cast<const __nv_bfloat16*>(g.gu), down.out0 = g.dgu, down.out1 = g.h;
     if (auto err = sm90::PrepareGemm<sm90::BwdDown>(down, {g.dy_r, H, g.m},
                                                     {g.w_down, H, g.groups * g.I}, {}))
       return err;
-    c.ready_base[j] = g.ready_base;
     // dx_r = [dg | du] @ [w_gate | w_up]^T; B(n, k) = w_gate[group * H + n, k] (k < I), then
     // w_up.
-    GemmParams& up = c.gemm[2 + j];
+    GemmParams& up = dx_chain->gemm[j];
     up = sm90::RowGroups(g.offsets, g.block_m, g.groups, g.m);
     up.n = H, up.k = 2 * I, up.k_split = I, up.n_split = H, up.out0 = g.dx_rows;
     if (auto err = sm90::PrepareGemm<sm90::BwdGateUp>(up, {g.dgu, 2 * g.I, g.m},
                                                       {g.w_gate, I, g.groups * g.H},
                                                       {g.w_up, I, g.groups * g.H}))
       return err;
-    c.wait_base[2 + j] = g.ready_base, c.wait_count[2 + j] = down.n_tiles;
   }
-  return sm90::LaunchQueued<sm90::BwdDown, sm90::BwdGateUp>(c, stream);
+  return nullptr;
 }
 
 // The weight gradients of the MLPs in one persistent launch, one CTA per output tile over the
@@ -82,10 +79,9 @@ const char* LaunchDataGrads(const MlpGrads* mlps, int count, int32_t* counter, i
 //
 // NOTES: with block_m = 128, a group's padded rows were 25% (gptoss_120b, 256 routes an expert
 // on average) to 47% (dsv3, 128) more than its routes, all of them multiplied as k-steps.
-const char* LaunchWeightGrads(const MlpGrads* mlps, int count, int32_t* counter,
-                              cudaStream_t stream) {
-  ChainParams c = sm90::EmptyChain();
-  c.queue = counter;
+const char* WeightGradChain(const MlpGrads* mlps, int count, ChainParams* chain) {
+  ChainParams& c = *chain;
+  c = sm90::EmptyChain();
   for (int j = 0; j < count; ++j) {
     const MlpGrads& g = mlps[j];
     const int H = static_cast<int>(g.H), I = static_cast<int>(g.I);
@@ -104,7 +100,7 @@ const char* LaunchWeightGrads(const MlpGrads* mlps, int count, int32_t* counter,
                                                        {g.dgu, 2 * g.I, g.m}, {}))
       return err;
   }
-  return sm90::LaunchQueued<sm90::BwdWeights, sm90::BwdWeights>(c, stream);
+  return nullptr;
 }
 
 }  // namespace
@@ -121,13 +117,12 @@ const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
 
   if (auto err = Check(cudaMemsetAsync(a.dweights, 0, a.T * a.k * sizeof(float), stream)))
     return err;
-  // Tile queues (header ints): 0 the recompute's gate|up, 1 the data gradients, 2 the weight
-  // gradients; then the data gradients' per-row-tile counts of dgu.
+  // Tile queues (header ints): 0 the recompute's gate|up, 1 dgu, 2 the weight gradients, 3
+  // dx_r; then the recompute's per-row-tile counts of gu.
   if (auto err = Check(cudaMemsetAsync(a.queue, 0, TileQueueInts(a.T, a.k, a.E) *
                                                        sizeof(int32_t), stream)))
     return err;
   int32_t* ready = a.queue + kQueueHeaderInts;
-  const int shared_ready_base = static_cast<int>(RoutedRowTilesBound(a.T * a.k, a.E));
   const int mlp_count = a.Is > 0 ? 2 : 1;
   sm90::GatherKernel<<<row_ctas, 256, 0, stream>>>(static_cast<const uint4*>(a.x), a.rows,
                                                    rows_in_use, k, H / 8,
@@ -160,12 +155,22 @@ const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
   }
   const MlpGrads mlps[2] = {
       {a.xs, gu, a.dy_routed, a.w_gate, a.w_up, a.w_down, a.offsets, a.rows, a.block_m, E, a.R,
-       a.H, a.I, a.dgu, a.h, a.dx_routed, a.dw_gate, a.dw_up, a.dw_down, 0},
+       a.H, a.I, a.dgu, a.h, a.dx_routed, a.dw_gate, a.dw_up, a.dw_down},
       {a.x, gu_shared, a.dy, a.ws_gate, a.ws_up, a.ws_down, nullptr, nullptr, 128, 1, a.T, a.H,
-       a.Is, a.dgu_shared, a.h_shared, a.dx_shared, a.dws_gate, a.dws_up, a.dws_down,
-       shared_ready_base}};
-  if (auto err = LaunchDataGrads(mlps, mlp_count, a.queue + 1, ready, stream)) return err;
-  if (auto err = LaunchWeightGrads(mlps, mlp_count, a.queue + 2, stream)) return err;
+       a.Is, a.dgu_shared, a.h_shared, a.dx_shared, a.dws_gate, a.dws_up, a.dws_down}};
+  // dgu and h first; then dx_r beside the weight gradients, which need no more than dgu and h:
+  // one launch that reads the weights while it writes their gradients.
+  ChainParams down, dx, weights;
+  if (auto err = DataGradChains(mlps, mlp_count, &down, &dx)) return err;
+  if (auto err = WeightGradChain(mlps, mlp_count, &weights)) return err;
+  down.queue = a.queue + 1, dx.queue = a.queue + 3, weights.queue = a.queue + 2;
+  if (auto err = sm90::LaunchQueued<sm90::BwdDown, sm90::BwdDown>(down, stream)) return err;
+  // The CTAs start on dx_r and the weight gradients in about the proportion of their FLOPs (4 H
+  // I and 6 H I a routed row); since each CTA goes on to the other chain when its own runs out,
+  // the split matters little (a quarter on dx_r measured the same, H200, 2026-11-30).
+  if (auto err = sm90::LaunchDual<sm90::BwdGateUp, sm90::BwdGateUp, sm90::BwdWeights,
+                                  sm90::BwdWeights>(dx, weights, 0.4, stream))
+    return err;
   sm90::CombineKernel<float, bf16><<<static_cast<unsigned>(CeilDiv(a.T, 8)), 256, 0, stream>>>(
       a.dx_routed, a.Is > 0 ? a.dx_shared : nullptr, a.pos, nullptr, a.T, k, H,
       static_cast<bf16*>(a.dx));
