@@ -106,10 +106,6 @@ inline const char* SmCount(int* sms) {
 template <class Kind0, class Kind1, int kSlots>
 const char* LaunchChain(const ChainParams& c, int64_t ctas, cudaStream_t stream) {
   constexpr size_t kSmem = kGemmSmemBytes<Kind0>;
-  for (int i = 0; i < kSlots; ++i) {
-    if (Kind0::kTmaStore && c.ready_base[i] >= 0)
-      return "a TMA-stored GEMM's rows cannot be waited on within its launch";
-  }
   if (auto err = Check(AllowSharedMemory(
           reinterpret_cast<const void*>(GemmChainKernel<Kind0, Kind1, kSlots>),
           static_cast<int>(kSmem))))
@@ -120,10 +116,16 @@ const char* LaunchChain(const ChainParams& c, int64_t ctas, cudaStream_t stream)
   return Check(cudaGetLastError());
 }
 
-// The upper bound on the tiles of the chain `c`, or an error: the kernel keeps one copy of the
-// row groups (offsets, and the used rows' ends found from row_tokens) in shared memory, so the
-// slots that have row groups must have the same ones.
-inline const char* ChainTiles(const ChainParams& c, int64_t* tiles) {
+// The upper bound on the tiles of the chain `c` of Kind0's pipeline, or an error: the kernel
+// keeps one copy of the row groups (offsets, and the used rows' ends found from row_tokens) in
+// shared memory, so the slots that have row groups must have the same ones; and TMA stores are
+// not waited for, so no slot may count rows done for another to wait on.
+template <class Kind0>
+const char* ChainTiles(const ChainParams& c, int64_t* tiles) {
+  for (int i = 0; i < kMaxChain; ++i) {
+    if (Kind0::kTmaStore && c.ready_base[i] >= 0)
+      return "a TMA-stored GEMM's rows cannot be waited on within its launch";
+  }
   const GemmParams* grouped = nullptr;
   for (const GemmParams& p : c.gemm) {
     if (p.offsets == nullptr) continue;
@@ -141,27 +143,25 @@ inline const char* ChainTiles(const ChainParams& c, int64_t* tiles) {
 template <class Kind0, class Kind1>
 const char* LaunchQueued(const ChainParams& c, cudaStream_t stream) {
   int64_t tiles = 0;
-  if (auto err = ChainTiles(c, &tiles)) return err;
+  if (auto err = ChainTiles<Kind0>(c, &tiles)) return err;
   if (tiles == 0) return nullptr;
   int sms = 0;
   if (auto err = SmCount(&sms)) return err;
   return LaunchChain<Kind0, Kind1, kMaxChain>(c, std::min<int64_t>(tiles, sms), stream);
 }
 
-// The independent chains `a` and `b` (no slot of either waits for counts) in
-// one persistent launch (DualChainKernel): the CTAs start on the two in proportion to
-// `share_a` (in [0, 1]) and each goes on to the other chain when its own runs out.
+// The independent chains `a` and `b` (no slot of either waits for counts) in one persistent
+// launch (DualChainKernel): the CTAs start on the two in proportion to `share_a` (in [0, 1])
+// and each goes on to the other chain when its own runs out.
 template <class KindA0, class KindA1, class KindB0, class KindB1>
 const char* LaunchDual(const ChainParams& a, const ChainParams& b, double share_a,
                        cudaStream_t stream) {
   int64_t tiles_a = 0, tiles_b = 0;
-  if (auto err = ChainTiles(a, &tiles_a)) return err;
-  if (auto err = ChainTiles(b, &tiles_b)) return err;
+  if (auto err = ChainTiles<KindA0>(a, &tiles_a)) return err;
+  if (auto err = ChainTiles<KindB0>(b, &tiles_b)) return err;
   for (int i = 0; i < kMaxChain; ++i) {
     if (a.wait_base[i] >= 0 || b.wait_base[i] >= 0)
       return "the chains of a dual launch cannot wait for counts";
-    if ((KindA0::kTmaStore && a.ready_base[i] >= 0) || (KindB0::kTmaStore && b.ready_base[i] >= 0))
-      return "a TMA-stored GEMM's rows cannot be waited on within its launch";
   }
   if (tiles_a + tiles_b == 0) return nullptr;
   int sms = 0;
