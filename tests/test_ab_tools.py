@@ -10,9 +10,9 @@ import sys
 SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "tools" / "ab" / "measure.py"
 
 
-def _run():
+def _run(*modes):
   env = dict(os.environ, MOK_AB_BACKEND="xla", JAX_PLATFORMS="cpu")
-  out = subprocess.run([sys.executable, str(SCRIPT), "cpu", "tiny"], env=env, check=True,
+  out = subprocess.run([sys.executable, str(SCRIPT), "cpu", "tiny", *modes], env=env, check=True,
                        capture_output=True, text=True, timeout=300).stdout
   return [line.split() for line in out.splitlines()]
 
@@ -30,12 +30,36 @@ def test_measure_prints_bits_and_walls():
   assert bits == [f for f in second if f[2] == "bits"]
 
 
-def test_call_spans():
+def test_measure_times_the_modes_asked():
+  out = _run("fwd+bwd")
+  assert {f[3] for f in out if f[2] in ("wall", "b2b")} == {"fwd+bwd"}
+  assert len([f for f in out if f[2] == "bits"]) == 1
+
+
+def _measure():
   sys.path.insert(0, str(SCRIPT.parent))
   try:
     import measure  # pylint: disable=import-outside-toplevel
   finally:
     sys.path.pop(0)
+  return measure
+
+
+def test_short_kernel_names():
+  def kind(a, b, epi, sched):
+    return (f"mok::sm90::GemmKind<(cute::SM90::GMMA::Major){a}, (cute::SM90::GMMA::Major){b}, "
+            f"(mok::sm90::Epilogue){epi}, (mok::sm90::Schedule){sched}>")
+  short = _measure().short
+  down, gate_up, weights = kind(0, 0, 3, 0), kind(0, 0, 1, 0), kind(1, 1, 0, 1)
+  assert short(f"void mok::sm90::GemmChainKernel<{down}, {down}, 4>(mok::sm90::ChainParams)") == (
+      "gemm0030")
+  assert short(f"void mok::sm90::DualChainKernel<{gate_up}, {gate_up}, {weights}, {weights}>"
+               "(mok::sm90::ChainParams, mok::sm90::ChainParams, int)") == "dual0010_1101"
+  assert short("void mok::sm90::GatherKernel(uint4 const*, int const*)") == "GatherKernel"
+
+
+def test_call_spans():
+  measure = _measure()
   # Two calls: kernels 0-10, 12-30 (a 2 us gap) and 25-28 (overlapping); then 200-250.
   launches = [(0.0, 10.0), (12.0, 30.0), (25.0, 28.0), (200.0, 250.0)]
   assert measure.call_spans(launches) == [30.0, 50.0]

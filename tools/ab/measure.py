@@ -5,8 +5,9 @@ meanwhile, which a power limit lowers: compare builds at like clocks), as the be
 for each of the two the GPU time of each kernel and a call's span on the GPU, its first
 kernel's start to its last one's end (jax.profiler, five calls; the span less the kernels'
 time is the GPU idle inside a call; XLA runs without command buffers while profiling).
-Usage: python tools/ab/measure.py NAME SHAPES (bench shapes, or tiny);
-MOK_AB_BACKEND (default cuda) picks the backend, e.g. xla for a smoke run on a CPU."""
+Usage: python tools/ab/measure.py NAME SHAPES [MODES] (bench shapes, or tiny; the modes timed,
+fwd,fwd+bwd by default: one of them takes half the time); MOK_AB_BACKEND (default cuda) picks
+the backend, e.g. xla for a smoke run on a CPU."""
 
 import collections
 import glob
@@ -77,14 +78,22 @@ def digest(a) -> str:
 
 
 def short(kernel):
-  """GemmChainKernel<GemmKind<Major A, Major B, Epilogue, Schedule>...> -> gemm<A B epi sched>."""
-  if "GemmChainKernel" in kernel:
-    return "gemm" + "".join(re.findall(r"\)(\d+)", kernel)[:4])
+  """GemmChainKernel<GemmKind<Major A, Major B, Epilogue, Schedule>...> -> gemm<A B epi sched>;
+  DualChainKernel<chain a's first kind, ..., chain b's first kind, ...> -> dual<a>_<b>."""
+  kinds = ["".join(k) for k in re.findall(r"\)(\d+)[^)]*\)(\d+)[^)]*\)(\d+)[^)]*\)(\d+)",
+                                             kernel)]
+  if "GemmChainKernel" in kernel and kinds:
+    return "gemm" + kinds[0]
+  if "DualChainKernel" in kernel and len(kinds) >= 3:
+    return f"dual{kinds[0]}_{kinds[2]}"
   return kernel.split("(")[0].split("<")[0].replace("void ", "").replace("mok::sm90::", "")
 
 
 def main(argv):
   name, names = argv[0], argv[1].split(",")
+  modes = argv[2].split(",") if len(argv) > 2 else list(bench_shapes.MODES)
+  if not set(modes) <= set(bench_shapes.MODES):
+    raise SystemExit(f"modes must be among {bench_shapes.MODES}, got {modes}")
   backend = os.environ.get("MOK_AB_BACKEND", "cuda")
   for shape_name in names:
     shape = {s.name: s for s in (*bench_shapes.SHAPES.values(), *bench_shapes.TINY)}[shape_name]
@@ -106,7 +115,8 @@ def main(argv):
                     zip(("y", "dx", "dweights", "dw_gate", "dw_up", "dw_down"), (y, *grads)))
     print(f"{name} {shape_name} bits {bits}", flush=True)
     del y, grads
-    for mode, f in (("fwd", f_fwd), ("fwd+bwd", f_step)):
+    timed = [(m, f) for m, f in (("fwd", f_fwd), ("fwd+bwd", f_step)) if m in modes]
+    for mode, f in timed:
       seconds, _ = timing.repeat(timing.wall_clock(lambda i, f=f: f(*args), jax.block_until_ready),
                                  n_sets=1, warmup=3, warmup_s=1.0, reps=30, min_reps=30,
                                  budget_s=60.0)
@@ -122,7 +132,7 @@ def main(argv):
       clock = (f" at {gpu['b2b']['sm_mhz']:.0f} MHz, {gpu['b2b']['power_w']:.0f} W"
                if gpu else "")
       print(f"{name} {shape_name} b2b {mode} {median:.3f} ms{clock}", flush=True)
-    for mode, f in (("fwd", f_fwd), ("fwd+bwd", f_step)):
+    for mode, f in timed:
       kernels = collections.Counter()
       per_kernel, span = kernel_ms(f, args, f"{name}_{shape_name}_{mode}")
       for kernel, ms in per_kernel.items():
