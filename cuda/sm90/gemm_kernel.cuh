@@ -84,7 +84,7 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
   Smem& smem = *reinterpret_cast<Smem*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   ChainSmem& cs = *reinterpret_cast<ChainSmem*>(&smem + 1);
-  // The slots with offsets share them (LaunchQueued checks): one copy in shared memory, which
+  // The slots with offsets share them (ChainTiles checks): one copy in shared memory, which
   // the consumers write and scan (they have the registers for it).
   const int32_t* group_offsets = nullptr;
   const int32_t* row_tokens = nullptr;
