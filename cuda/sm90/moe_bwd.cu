@@ -71,8 +71,8 @@ const char* DataGradChains(const MlpGrads* mlps, int count, ChainParams* down_ch
   return nullptr;
 }
 
-// The weight gradients of the MLPs in one persistent launch, one CTA per output tile over the
-// whole ragged reduction: dw_down_g = h_g^T @ dy_r_g (I, H) (slots 0, 1) and [dw_gate_g |
+// The weight gradients of the MLPs as one chain, one CTA per output tile over the whole
+// ragged reduction: dw_down_g = h_g^T @ dy_r_g (I, H) (slots 0, 1) and [dw_gate_g |
 // dw_up_g] = x_rows_g^T @ [dg_g | du_g] (H, 2I, split at I) (slots 2, 3). Each group's
 // reduction stops at its last used row (rounded up to the weight gradients' kBlockK, 32): the
 // padding rows are zero.
