@@ -66,3 +66,11 @@ def test_call_spans():
   assert measure.call_spans(launches, gap_us=1.0) == [10.0, 18.0, 50.0]
   assert measure.call_spans([]) == []
 
+
+
+def test_ncu_call_runs_one_call():
+  env = dict(os.environ, MOK_AB_BACKEND="xla", JAX_PLATFORMS="cpu")
+  for mode in ("fwd", "fwd+bwd"):
+    out = subprocess.run([sys.executable, str(SCRIPT.parent / "ncu_call.py"), "tiny", mode],
+                         env=env, check=True, capture_output=True, text=True, timeout=300).stdout
+    assert out.split() == ["tiny", f"{mode}:", "one", "call"]

@@ -89,6 +89,24 @@ def short(kernel):
   return kernel.split("(")[0].split("<")[0].replace("void ", "").replace("mok::sm90::", "")
 
 
+def layer_calls(shape_name, backend):
+  """(jitted forward, jitted forward+backward (y and the gradients), their arguments) of the
+  bench shape `shape_name` (or tiny) on the bench's inputs (seed 0, uniform routing)."""
+  shape = {s.name: s for s in (*bench_shapes.SHAPES.values(), *bench_shapes.TINY)}[shape_name]
+  (wg, wu, wd, _), sets = bench_inputs.jax_inputs(shape, jnp.bfloat16, seed=0, skew=0.0,
+                                                  n_sets=1)
+  x, experts, weights, dy = sets[0]
+
+  def fwd(x, weights, wg, wu, wd):
+    return mok_jax.moe(x, experts, weights, wg, wu, wd, backend=backend)
+
+  def step(x, weights, wg, wu, wd):
+    y, pull = jax.vjp(fwd, x, weights, wg, wu, wd)
+    return y, pull(dy)
+
+  return jax.jit(fwd), jax.jit(step), (x, weights, wg, wu, wd)
+
+
 def main(argv):
   name, names = argv[0], argv[1].split(",")
   modes = argv[2].split(",") if len(argv) > 2 else list(bench_shapes.MODES)
@@ -96,20 +114,7 @@ def main(argv):
     raise SystemExit(f"modes must be among {bench_shapes.MODES}, got {modes}")
   backend = os.environ.get("MOK_AB_BACKEND", "cuda")
   for shape_name in names:
-    shape = {s.name: s for s in (*bench_shapes.SHAPES.values(), *bench_shapes.TINY)}[shape_name]
-    (wg, wu, wd, _), sets = bench_inputs.jax_inputs(shape, jnp.bfloat16, seed=0, skew=0.0,
-                                                    n_sets=1)
-    x, experts, weights, dy = sets[0]
-
-    def fwd(x, weights, wg, wu, wd):
-      return mok_jax.moe(x, experts, weights, wg, wu, wd, backend=backend)
-
-    def step(x, weights, wg, wu, wd):
-      y, pull = jax.vjp(fwd, x, weights, wg, wu, wd)
-      return y, pull(dy)
-
-    args = (x, weights, wg, wu, wd)
-    f_fwd, f_step = jax.jit(fwd), jax.jit(step)
+    f_fwd, f_step, args = layer_calls(shape_name, backend)
     y, grads = f_step(*args)
     bits = " ".join(f"{n}={digest(a)}" for n, a in
                     zip(("y", "dx", "dweights", "dw_gate", "dw_up", "dw_down"), (y, *grads)))
