@@ -101,19 +101,24 @@ inline const char* SmCount(int* sms) {
   return Check(cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device));
 }
 
-// Launches the chain `c` of prepared GEMMs on `ctas` CTAs (at most one per SM is resident: the
-// shared memory allows no second one).
-template <class Kind0, class Kind1, int kSlots>
-const char* LaunchChain(const ChainParams& c, int64_t ctas, cudaStream_t stream) {
-  constexpr size_t kSmem = kGemmSmemBytes<Kind0>;
-  if (auto err = Check(AllowSharedMemory(
-          reinterpret_cast<const void*>(GemmChainKernel<Kind0, Kind1, kSlots>),
-          static_cast<int>(kSmem))))
+// Launches `kernel` (a GEMM kernel using `smem` bytes of dynamic shared memory) on `ctas` CTAs
+// with `args` (at most one CTA per SM is resident: the shared memory allows no second one).
+template <class... Params, class... Args>
+const char* LaunchGemmKernel(void (*kernel)(Params...), size_t smem, int64_t ctas,
+                             cudaStream_t stream, const Args&... args) {
+  if (auto err = Check(AllowSharedMemory(reinterpret_cast<const void*>(kernel),
+                                         static_cast<int>(smem))))
     return err;
   if (ctas == 0) return nullptr;
-  GemmChainKernel<Kind0, Kind1, kSlots>
-      <<<static_cast<unsigned>(ctas), GemmConfig::kThreads, kSmem, stream>>>(c);
+  kernel<<<static_cast<unsigned>(ctas), GemmConfig::kThreads, smem, stream>>>(args...);
   return Check(cudaGetLastError());
+}
+
+// Launches the chain `c` of prepared GEMMs on `ctas` CTAs.
+template <class Kind0, class Kind1, int kSlots>
+const char* LaunchChain(const ChainParams& c, int64_t ctas, cudaStream_t stream) {
+  return LaunchGemmKernel(GemmChainKernel<Kind0, Kind1, kSlots>, kGemmSmemBytes<Kind0>, ctas,
+                          stream, c);
 }
 
 // The upper bound on the tiles of the chain `c` of Kind0's pipeline, or an error: the kernel
@@ -172,14 +177,9 @@ const char* LaunchDual(const ChainParams& a, const ChainParams& b, double share_
       : tiles_a == 0 ? 0
                      : std::clamp<int64_t>(std::llround(share_a * static_cast<double>(ctas)), 1,
                                            ctas - 1);
-  constexpr size_t kSmem = std::max(kGemmSmemBytes<KindA0>, kGemmSmemBytes<KindB0>);
-  const void* kernel =
-      reinterpret_cast<const void*>(DualChainKernel<KindA0, KindA1, KindB0, KindB1>);
-  if (auto err = Check(AllowSharedMemory(kernel, static_cast<int>(kSmem)))) return err;
-  DualChainKernel<KindA0, KindA1, KindB0, KindB1>
-      <<<static_cast<unsigned>(ctas), GemmConfig::kThreads, kSmem, stream>>>(
-          a, b, static_cast<int>(ctas_a));
-  return Check(cudaGetLastError());
+  return LaunchGemmKernel(DualChainKernel<KindA0, KindA1, KindB0, KindB1>,
+                          std::max(kGemmSmemBytes<KindA0>, kGemmSmemBytes<KindB0>), ctas,
+                          stream, a, b, static_cast<int>(ctas_a));
 }
 
 // An empty chain: no slot has tiles, waits or counts.
