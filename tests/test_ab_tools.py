@@ -74,3 +74,15 @@ def test_ncu_call_runs_one_call():
     out = subprocess.run([sys.executable, str(SCRIPT.parent / "ncu_call.py"), "tiny", mode],
                          env=env, check=True, capture_output=True, text=True, timeout=300).stdout
     assert out.split() == ["tiny", f"{mode}:", "one", "call"]
+
+
+def test_host_timeline_lists_host_events():
+  env = dict(os.environ, MOK_AB_BACKEND="xla", JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, str(SCRIPT.parent / "host_timeline.py"), "tiny"],
+                       env=env, check=True, capture_output=True, text=True,
+                       timeout=300).stdout.splitlines()
+  assert out[0] == "tiny fwd: host events, us a call (the 30 longest):"
+  rows = [line.split(None, 2) for line in out[1:-1]]
+  assert 0 < len(rows) <= 30 and all(float(us) >= 0 and x.startswith("x") for us, x, _ in rows)
+  assert any("PjitFunction" in name for _, _, name in rows), rows
+  assert out[-1] == "no GPU kernels in the trace"  # a CPU run

@@ -41,6 +41,18 @@ def kernel_ms(f, args, tag, calls=5):
   with jax.profiler.trace(path):
     for _ in range(calls):
       jax.block_until_ready(f(*args))
+  _, kernels = trace_events(path)
+  total = collections.Counter()
+  for e in kernels:
+    total[e["name"]] += e["dur"] / calls / 1e3
+  spans = call_spans(sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels))
+  return total, float(np.median(spans)) / 1e3 if spans else 0.0
+
+
+def trace_events(path):
+  """(host events, GPU events) of the newest jax.profiler trace under `path`: its complete
+  ("X") events, the GPU ones those on a stream of a GPU process, the host ones those outside
+  GPU processes."""
   newest = sorted(glob.glob(f"{path}/**/*.trace.json.gz", recursive=True))[-1]
   trace = json.load(gzip.open(newest))
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
@@ -49,12 +61,9 @@ def kernel_ms(f, args, tag, calls=5):
   streams = {(e["pid"], e["tid"]) for e in events if e.get("ph") == "M"
              and e.get("name") == "thread_name" and e.get("pid") in gpu
              and "Stream" in str(e["args"].get("name", ""))}
-  kernels = [e for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams]
-  total = collections.Counter()
-  for e in kernels:
-    total[e["name"]] += e["dur"] / calls / 1e3
-  spans = call_spans(sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels))
-  return total, float(np.median(spans)) / 1e3 if spans else 0.0
+  spans = [e for e in events if e.get("ph") == "X"]
+  return ([e for e in spans if e.get("pid") not in gpu],
+          [e for e in spans if (e.get("pid"), e.get("tid")) in streams])
 
 
 def call_spans(launches, gap_us=CALL_GAP_US):
