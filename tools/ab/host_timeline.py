@@ -8,19 +8,15 @@ import os
 import sys
 
 import jax
-from mok_jax.bench import shapes as bench_shapes
 
-from measure import CALL_GAP_US, call_spans, layer_calls, trace_events
+from measure import call_spans, mode_call, trace_events
 
 CALLS = 5
 
 
 def main(argv):
   mode = argv[1] if len(argv) > 1 else "fwd"
-  if mode not in bench_shapes.MODES:
-    raise SystemExit(f"MODE must be one of {bench_shapes.MODES}, got {mode}")
-  f_fwd, f_step, args = layer_calls(argv[0], os.environ.get("MOK_AB_BACKEND", "cuda"))
-  f = f_fwd if mode == "fwd" else f_step
+  f, args = mode_call(argv[0], mode)
   for _ in range(CALLS):
     jax.block_until_ready(f(*args))
   path = f"/tmp/host_timeline_{os.getpid()}"
@@ -40,11 +36,9 @@ def main(argv):
     return
   # The last call: its host events from 300 us before its first GPU work to 50 us after.
   launches = sorted((e["ts"], e["ts"] + e["dur"]) for e in gpu)
-  first = launches[0][0]
-  for (_, end), (start, _) in zip(launches, launches[1:]):
-    if start - end > CALL_GAP_US:
-      first = start
-  print(f"the last call, us from its first GPU work (its span: {call_spans(launches)[-1]:.1f} us):")
+  span = call_spans(launches)[-1]
+  first = max(end for _, end in launches) - span  # the last call's, as call_spans splits them
+  print(f"the last call, us from its first GPU work (its span: {span:.1f} us):")
   for e in sorted(host, key=lambda e: e["ts"]):
     if first - 300 <= e["ts"] <= first + 50 and e["dur"] >= 3:
       print(f"{e['ts'] - first:9.1f} {e['dur']:8.1f} {e['name'][:100]}")

@@ -61,9 +61,9 @@ def trace_events(path):
   streams = {(e["pid"], e["tid"]) for e in events if e.get("ph") == "M"
              and e.get("name") == "thread_name" and e.get("pid") in gpu
              and "Stream" in str(e["args"].get("name", ""))}
-  spans = [e for e in events if e.get("ph") == "X"]
-  return ([e for e in spans if e.get("pid") not in gpu],
-          [e for e in spans if (e.get("pid"), e.get("tid")) in streams])
+  complete = [e for e in events if e.get("ph") == "X"]
+  return ([e for e in complete if e.get("pid") not in gpu],
+          [e for e in complete if (e.get("pid"), e.get("tid")) in streams])
 
 
 def call_spans(launches, gap_us=CALL_GAP_US):
@@ -114,6 +114,16 @@ def layer_calls(shape_name, backend):
     return y, pull(dy)
 
   return jax.jit(fwd), jax.jit(step), (x, weights, wg, wu, wd)
+
+
+def mode_call(shape_name, mode):
+  """(the jitted call of `mode`, fwd or fwd+bwd, on the bench shape `shape_name`, its
+  arguments), on MOK_AB_BACKEND (default cuda): layer_calls for the tools that time or profile
+  one mode."""
+  if mode not in bench_shapes.MODES:
+    raise SystemExit(f"MODE must be one of {bench_shapes.MODES}, got {mode}")
+  f_fwd, f_step, args = layer_calls(shape_name, os.environ.get("MOK_AB_BACKEND", "cuda"))
+  return (f_fwd if mode == "fwd" else f_step), args
 
 
 def main(argv):
