@@ -10,10 +10,20 @@
 
 namespace mok::sm90 {
 
-// xs[r] = x[rows[r] / k]. (static: both the forward and the backward launch it.)
+// Clears zero[0, ints) with all threads of the grid: the tile queues of the launches that
+// follow, instead of a cudaMemsetAsync (layout.cuh says why).
+__device__ __forceinline__ void ZeroInts(int32_t* zero, int64_t ints) {
+  const int64_t threads = int64_t{gridDim.x} * blockDim.x;
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < ints; i += threads)
+    zero[i] = 0;
+}
+
+// xs[r] = x[rows[r] / k]; and zero[0, zero_ints) = 0. (static: both the forward and the
+// backward launch it.)
 static __global__ void __launch_bounds__(256)
     GatherKernel(const uint4* x, const int32_t* rows, const int32_t* rows_in_use, int k,
-                 int chunks_per_row, uint4* xs) {
+                 int chunks_per_row, uint4* xs, int32_t* zero, int64_t zero_ints) {
+  ZeroInts(zero, zero_ints);
   const int64_t r = int64_t{blockIdx.x} * 8 + threadIdx.x / 32;
   if (r >= *rows_in_use) return;
   const int q = rows[r];
@@ -42,12 +52,17 @@ __device__ __forceinline__ void Load8(const float* p, float f[8]) {
 // Backward, per routed row r holding route q = (t, j):
 //   dy_r[r] = round(w[q] * dy[t]);   dweights[q] = <dy[t], y_routed[r]> (f32).
 // The dot product sums each lane's columns in order, then a fixed butterfly across lanes: the
-// same bits every run. dweights of invalid routes are zeroed beforehand.
+// same bits every run. Routes without a row (pos -1: an invalid expert id) get dweights 0.
 template <class D>
 __global__ void __launch_bounds__(256)
     ScaleGatherKernel(const D* dy, const __nv_bfloat16* y_routed, const int32_t* rows,
-                      const int32_t* rows_in_use, const float* weights, int k, int H,
-                      __nv_bfloat16* dy_r, float* dweights) {
+                      const int32_t* rows_in_use, const int32_t* pos, int64_t routes,
+                      const float* weights, int k, int H, __nv_bfloat16* dy_r,
+                      float* dweights) {
+  const int64_t threads = int64_t{gridDim.x} * blockDim.x;
+  for (int64_t q = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; q < routes; q += threads) {
+    if (pos[q] < 0) dweights[q] = 0.0f;
+  }
   const int64_t r = int64_t{blockIdx.x} * 8 + threadIdx.x / 32;
   if (r >= *rows_in_use) return;
   const int lane = threadIdx.x % 32, q = rows[r];

@@ -4,8 +4,14 @@
 //                 its expert in that chunk (into pos, temporarily) and the chunk's count per
 //                 expert (into the layout scratch, chunk-major: counts[c * E + e]).
 //   2. offsets:   per expert, an exclusive scan of its counts over chunks (in place); then the
-//                 exclusive scan over experts of the counts rounded up to block_m: offsets.
-//   3. positions: pos[q] = offsets[e] + chunk base + rank; rows[pos[q]] = q.
+//                 exclusive scan over experts of the counts rounded up to block_m: offsets;
+//                 rows of each expert's padding = -1.
+//   3. positions: pos[q] = offsets[e] + chunk base + rank; rows[pos[q]] = q; rows past
+//                 offsets[E] = -1.
+//
+// They also clear what the launches after them count in (`zero`, the forward's tile queue), so
+// that a forward needs no memset: each cudaMemsetAsync cost the handler 6-30 us of host time
+// while the GPU waited for its next launch (jax.profiler, gptoss_120b, H200, 2026-11-30).
 //
 // Ranks come from warp match + popc and fixed-order scans: no atomics, so every run gives the
 // same layout, with each expert's routes in ascending (t, j) order as the CPU target has them.
@@ -14,6 +20,7 @@
 #include <cstdint>
 
 #include "../layout_contract.h"
+#include "gather.cuh"
 
 namespace mok::sm90 {
 
@@ -24,9 +31,10 @@ constexpr int kMaxExperts = 512;
 // Dynamic shared memory: kLayoutWarps * E ints.
 __global__ void __launch_bounds__(kLayoutChunk)
     LayoutRankKernel(const int32_t* experts, int64_t routes, int E, int32_t* pos,
-                     int32_t* counts) {
+                     int32_t* counts, int32_t* zero, int64_t zero_ints) {
   extern __shared__ int32_t warp_counts[];  // (kLayoutWarps, E)
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  ZeroInts(zero, zero_ints);
   for (int i = tid; i < kLayoutWarps * E; i += kLayoutChunk) warp_counts[i] = 0;
   __syncthreads();
   const int64_t q = int64_t{blockIdx.x} * kLayoutChunk + tid;
@@ -51,7 +59,8 @@ __global__ void __launch_bounds__(kLayoutChunk)
 
 // One CTA of 1024 threads; thread e owns expert e (E <= kMaxExperts).
 __global__ void __launch_bounds__(1024)
-    LayoutOffsetsKernel(int32_t* counts, int chunks, int E, int block_m, int32_t* offsets) {
+    LayoutOffsetsKernel(int32_t* counts, int chunks, int E, int block_m, int32_t* offsets,
+                        int32_t* rows) {
   __shared__ int32_t scan[1024];
   const int e = threadIdx.x;
   int total = 0;
@@ -71,14 +80,20 @@ __global__ void __launch_bounds__(1024)
     scan[e] += v;
     __syncthreads();
   }
-  if (e < E) offsets[e] = scan[e] - padded;
+  if (e < E) {
+    const int begin = scan[e] - padded;
+    offsets[e] = begin;
+    for (int r = begin + total; r < begin + padded; ++r) rows[r] = -1;
+  }
   if (e == E - 1) offsets[E] = scan[e];
 }
 
 __global__ void __launch_bounds__(kLayoutChunk)
     LayoutPositionsKernel(const int32_t* experts, int64_t routes, int E, const int32_t* counts,
-                          const int32_t* offsets, int32_t* pos, int32_t* rows) {
+                          const int32_t* offsets, int32_t* pos, int32_t* rows, int64_t R) {
   const int64_t q = int64_t{blockIdx.x} * kLayoutChunk + threadIdx.x;
+  // Rows past those in use (fewer than R when routes are invalid or experts' padding is short).
+  for (int64_t r = offsets[E] + q; r < R; r += int64_t{gridDim.x} * kLayoutChunk) rows[r] = -1;
   if (q >= routes) return;
   const int e = experts[q];
   if (e < 0 || e >= E) return;  // pos[q] is already -1

@@ -115,18 +115,13 @@ const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
   const int32_t* rows_in_use = a.offsets + E;
   const unsigned row_ctas = static_cast<unsigned>(CeilDiv(a.R, 8));
 
-  if (auto err = Check(cudaMemsetAsync(a.dweights, 0, a.T * a.k * sizeof(float), stream)))
-    return err;
   // Tile queues (header ints): 0 the recompute's gate|up, 1 dgu, 2 the weight gradients, 3
-  // dx_r; then the recompute's per-row-tile counts of gu.
-  if (auto err = Check(cudaMemsetAsync(a.queue, 0, TileQueueInts(a.T, a.k, a.E) *
-                                                       sizeof(int32_t), stream)))
-    return err;
+  // dx_r; then the recompute's per-row-tile counts of gu. The gather clears them.
   int32_t* ready = a.queue + kQueueHeaderInts;
   const int mlp_count = a.Is > 0 ? 2 : 1;
-  sm90::GatherKernel<<<row_ctas, 256, 0, stream>>>(static_cast<const uint4*>(a.x), a.rows,
-                                                   rows_in_use, k, H / 8,
-                                                   static_cast<uint4*>(a.xs));
+  sm90::GatherKernel<<<row_ctas, 256, 0, stream>>>(
+      static_cast<const uint4*>(a.x), a.rows, rows_in_use, k, H / 8, static_cast<uint4*>(a.xs),
+      a.queue, TileQueueInts(a.T, a.k, a.E));
   // Recompute: the forward's gate|up launches on the same rows (xs gathered as the forward
   // gathers it, x for the shared expert), hence the bits it would have saved. h is written too
   // and rewritten by BwdDown below.
@@ -146,12 +141,12 @@ const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
   auto* dy_r = static_cast<bf16*>(a.dy_routed);
   if (a.dy_f32) {
     sm90::ScaleGatherKernel<float><<<row_ctas, 256, 0, stream>>>(
-        static_cast<const float*>(a.dy), y_routed, a.rows, rows_in_use, a.weights, k, H, dy_r,
-        a.dweights);
+        static_cast<const float*>(a.dy), y_routed, a.rows, rows_in_use, a.pos, a.T * a.k,
+        a.weights, k, H, dy_r, a.dweights);
   } else {
     sm90::ScaleGatherKernel<bf16><<<row_ctas, 256, 0, stream>>>(
-        static_cast<const bf16*>(a.dy), y_routed, a.rows, rows_in_use, a.weights, k, H, dy_r,
-        a.dweights);
+        static_cast<const bf16*>(a.dy), y_routed, a.rows, rows_in_use, a.pos, a.T * a.k,
+        a.weights, k, H, dy_r, a.dweights);
   }
   const MlpGrads mlps[2] = {
       {a.xs, gu, a.dy_routed, a.w_gate, a.w_up, a.w_down, a.offsets, a.rows, a.block_m, E, a.R,

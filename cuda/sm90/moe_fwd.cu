@@ -64,24 +64,24 @@ const char* LaunchMoeFwd(const MoeFwdArgs& a, cudaStream_t stream) {
   Skip skip;
   if (auto err = ReadSkip(&skip)) return err;
 
-  // 1. Layout.
-  if (auto err = Check(cudaMemsetAsync(a.rows, 0xff, a.R * sizeof(int32_t), stream))) return err;
+  // 1. Layout; it also clears the expert-MLP launch's tile queue.
+  int32_t* queue = a.layout + LayoutCountInts(routes, a.E);
   const size_t rank_smem = size_t{sm90::kLayoutWarps} * E * sizeof(int32_t);
   if (auto err = Check(sm90::AllowSharedMemory(
           reinterpret_cast<const void*>(sm90::LayoutRankKernel),
           static_cast<int>(size_t{sm90::kLayoutWarps} * sm90::kMaxExperts * sizeof(int32_t)))))
     return err;
   sm90::LayoutRankKernel<<<chunks, sm90::kLayoutChunk, rank_smem, stream>>>(
-      a.experts, routes, E, a.pos, a.layout);
+      a.experts, routes, E, a.pos, a.layout, queue, TileQueueInts(a.T, a.k, a.E));
   sm90::LayoutOffsetsKernel<<<1, 1024, 0, stream>>>(a.layout, static_cast<int>(chunks), E,
-                                                    a.block_m, a.offsets);
+                                                    a.block_m, a.offsets, a.rows);
   sm90::LayoutPositionsKernel<<<chunks, sm90::kLayoutChunk, 0, stream>>>(
-      a.experts, routes, E, a.layout, a.offsets, a.pos, a.rows);
+      a.experts, routes, E, a.layout, a.offsets, a.pos, a.rows, a.R);
   // 2. Gather the routed token rows (zeros for padding rows).
   if (!skip.gather) {
     sm90::GatherKernel<<<CeilDiv(a.R, 8), 256, 0, stream>>>(
         static_cast<const uint4*>(a.x), a.rows, a.offsets + E, k, static_cast<int>(a.H / 8),
-        static_cast<uint4*>(a.xs));
+        static_cast<uint4*>(a.xs), nullptr, 0);
   }
   // 3. Expert MLPs, routed and shared (one group of T rows read straight from x), in one
   // launch: gu (unless null: not kept) and h = silu(g) * u, then y = h @ w_down.
@@ -90,10 +90,6 @@ const char* LaunchMoeFwd(const MoeFwdArgs& a, cudaStream_t stream) {
        a.y_routed, 0},
       {a.x, a.ws_gate, a.ws_up, a.ws_down, nullptr, 128, 1, a.T, a.H, a.Is, a.gu_shared,
        a.h_shared, a.y_shared, static_cast<int>(RoutedRowTilesBound(routes, a.E))}};
-  int32_t* queue = a.layout + LayoutCountInts(routes, a.E);
-  if (auto err = Check(cudaMemsetAsync(queue, 0, TileQueueInts(a.T, a.k, a.E) * sizeof(int32_t),
-                                       stream)))
-    return err;
   const int count = (a.Is > 0 && !skip.shared) ? 2 : 1;
   if (auto err = sm90::LaunchExpertMlps(mlps, count, !skip.gemm1, !skip.gemm2, queue,
                                         queue + kQueueHeaderInts, stream))
