@@ -8,22 +8,16 @@
 
 #include <cuda_bf16.h>
 
-namespace mok::sm90 {
+#include "grid_fill.cuh"
 
-// Clears zero[0, ints) with all threads of the grid: the tile queues of the launches that
-// follow, instead of a cudaMemsetAsync (layout.cuh says why).
-__device__ __forceinline__ void ZeroInts(int32_t* zero, int64_t ints) {
-  const int64_t threads = int64_t{gridDim.x} * blockDim.x;
-  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < ints; i += threads)
-    zero[i] = 0;
-}
+namespace mok::sm90 {
 
 // xs[r] = x[rows[r] / k]; and zero[0, zero_ints) = 0. (static: both the forward and the
 // backward launch it.)
 static __global__ void __launch_bounds__(256)
     GatherKernel(const uint4* x, const int32_t* rows, const int32_t* rows_in_use, int k,
                  int chunks_per_row, uint4* xs, int32_t* zero, int64_t zero_ints) {
-  ZeroInts(zero, zero_ints);
+  GridFill(zero, zero_ints, 0);
   const int64_t r = int64_t{blockIdx.x} * 8 + threadIdx.x / 32;
   if (r >= *rows_in_use) return;
   const int q = rows[r];

@@ -10,8 +10,9 @@
 //                 offsets[E] = -1.
 //
 // They also clear what the launches after them count in (`zero`, the forward's tile queue), so
-// that a forward needs no memset: each cudaMemsetAsync cost the handler 6-30 us of host time
-// while the GPU waited for its next launch (jax.profiler, gptoss_120b, H200, 2026-11-30).
+// that a forward calls no cudaMemsetAsync: each cost the handler 6-30 us of host time while the
+// GPU waited for its next launch (jax.profiler, gptoss_120b, H200, 2026-11-30). Back to back the
+// two builds measured the same (docs/performance.md).
 //
 // Ranks come from warp match + popc and fixed-order scans: no atomics, so every run gives the
 // same layout, with each expert's routes in ascending (t, j) order as the CPU target has them.
@@ -20,7 +21,7 @@
 #include <cstdint>
 
 #include "../layout_contract.h"
-#include "gather.cuh"
+#include "grid_fill.cuh"
 
 namespace mok::sm90 {
 
@@ -34,7 +35,7 @@ __global__ void __launch_bounds__(kLayoutChunk)
                      int32_t* counts, int32_t* zero, int64_t zero_ints) {
   extern __shared__ int32_t warp_counts[];  // (kLayoutWarps, E)
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  ZeroInts(zero, zero_ints);
+  GridFill(zero, zero_ints, 0);
   for (int i = tid; i < kLayoutWarps * E; i += kLayoutChunk) warp_counts[i] = 0;
   __syncthreads();
   const int64_t q = int64_t{blockIdx.x} * kLayoutChunk + tid;
@@ -93,7 +94,7 @@ __global__ void __launch_bounds__(kLayoutChunk)
                           const int32_t* offsets, int32_t* pos, int32_t* rows, int64_t R) {
   const int64_t q = int64_t{blockIdx.x} * kLayoutChunk + threadIdx.x;
   // Rows past those in use (fewer than R when routes are invalid or experts' padding is short).
-  for (int64_t r = offsets[E] + q; r < R; r += int64_t{gridDim.x} * kLayoutChunk) rows[r] = -1;
+  GridFill(rows + offsets[E], R - offsets[E], -1);
   if (q >= routes) return;
   const int e = experts[q];
   if (e < 0 || e >= E) return;  // pos[q] is already -1
