@@ -7,6 +7,20 @@ namespace mok::sm90 {
 
 namespace {
 
+// No L2 promotion: a miss fetches the sectors a box row asks for, not the 256 bytes around
+// them. Measured faster where the launches read most (below); not measured why. Every box row
+// here is 128 bytes of a matrix whose rows lie kilobytes apart: 256-byte promotion fetches a
+// neighbouring 128 bytes that another k-step or tile reads, if at all, through an L2 whose
+// fabric between its two partitions ncu finds 96-99% busy in these launches.
+//
+// NOTES: tools/ab, one H200, 2026-11-30 10:05-10:13 UTC, same bits, 256B -> 128B -> none (GPU
+// ms of the launch in a forward): forward MLPs gptoss_120b 2.80 -> 2.72 -> 2.73, dsv3 6.66 ->
+// 6.22 -> 6.29; in forward+backward, dsv3's SwiGLU backward 2.85 -> 2.63 -> 2.62 and its dual
+// launch 12.76 -> 13.20 -> 13.32. Back to back: gptoss_120b forward 3.45 -> 3.39 -> 3.37 ms,
+// forward+backward 12.04 -> 12.09 -> 12.04; dsv3 7.59 -> 7.42 -> 7.30 and 26.24 -> 25.91 ->
+// 25.45.
+constexpr CUtensorMapL2promotion kPromotion = CU_TENSOR_MAP_L2_PROMOTION_NONE;
+
 PFN_cuTensorMapEncodeTiled_v12000 EncodeTiled() {
   static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
     void* p = nullptr;
@@ -33,7 +47,7 @@ bool MakeTensorMap(CUtensorMap* map, const void* base, uint64_t inner, uint64_t 
   cuuint32_t element_strides[2] = {1, 1};
   return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides,
                 box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                swizzle, kPromotion,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
@@ -48,7 +62,7 @@ bool MakePanelMap(CUtensorMap* map, const void* base, uint64_t inner, uint64_t r
   cuuint32_t element_strides[3] = {1, 1, 1};
   return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base), dims, strides,
                 box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_SWIZZLE_128B, kPromotion,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
