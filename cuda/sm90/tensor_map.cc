@@ -13,7 +13,7 @@ namespace {
 // neighbouring 128 bytes that another k-step or tile reads, if at all, through an L2 whose
 // fabric between its two partitions ncu finds 96-99% busy in these launches.
 //
-// NOTES: tools/ab, one H200, 2026-11-30 10:05-10:13 UTC, same bits, 256B -> 128B -> none (GPU
+// NOTES: tools/ab, one H200, 2026-11-30 09:58-10:05 UTC, same bits, 256B -> 128B -> none (GPU
 // ms of the launch in a forward): forward MLPs gptoss_120b 2.80 -> 2.72 -> 2.73, dsv3 6.66 ->
 // 6.22 -> 6.29; in forward+backward, dsv3's SwiGLU backward 2.85 -> 2.63 -> 2.62 and its dual
 // launch 12.76 -> 13.20 -> 13.32. Back to back: gptoss_120b forward 3.45 -> 3.39 -> 3.37 ms,
