@@ -4,7 +4,8 @@
 # left out), then runs tools/ab/measure.py for every build in turn, a fresh process each,
 # ROUNDS times (default 2).
 # Usage: bash tools/ab/run.sh SHAPES (e.g. gptoss_120b,dsv3); logs under $OUT. MODES (default
-# fwd,fwd+bwd) picks the modes measured: one of them takes half the device time.
+# fwd,fwd+bwd) picks the modes measured: one of them takes half the device time. MEASURE_TIMEOUT
+# (default 300) bounds each build's measure.py, in seconds (a build that hangs loses no more).
 #
 # NOTES: an editable install of mok_jax (pip install -e) puts an import finder in front of
 # PYTHONPATH: with one present, every name measured that one build (2026-11-30). It is
@@ -33,7 +34,7 @@ for v in $names; do
 done
 for r in $(seq $rounds); do
   for v in $built; do
-    PYTHONPATH=/tmp/ab/$v:$PYTHONPATH timeout 300 python3 tools/ab/measure.py $v $shapes \
+    PYTHONPATH=/tmp/ab/$v:$PYTHONPATH timeout ${MEASURE_TIMEOUT:-300} python3 tools/ab/measure.py $v $shapes \
       ${MODES:-fwd,fwd+bwd} \
       2> $OUT/measure_${v}_$r.err | tee -a $OUT/ab.log
   done
