@@ -6,6 +6,7 @@
 # Usage: bash tools/ab/run.sh SHAPES (e.g. gptoss_120b,dsv3); logs under $OUT. MODES (default
 # fwd,fwd+bwd) picks the modes measured: one of them takes half the device time. MEASURE_TIMEOUT
 # (default 300) bounds each build's measure.py, in seconds (a build that hangs loses no more).
+# ROUNDS=0 only builds; SKIP_BUILD=1 measures the builds an earlier call of this run made.
 #
 # NOTES: an editable install of mok_jax (pip install -e) puts an import finder in front of
 # PYTHONPATH: with one present, every name measured that one build (2026-11-30). It is
@@ -18,6 +19,7 @@ export PYTHONPATH=/tmp/site:$PWD/.whl/stub XLA_PYTHON_CLIENT_PREALLOCATE=false P
 python3 -m pip uninstall -y -q mok_jax > /dev/null 2>&1
 names=$(ls runs/ab)
 for v in $names; do
+  [ -n "${SKIP_BUILD:-}" ] && break
   (MOK_CUDA=ON python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/ab/$v \
      runs/ab/$v > $OUT/build_$v.log 2>&1) &
 done
