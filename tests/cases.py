@@ -271,15 +271,20 @@ def cuda_digests() -> dict:
 
 
 @functools.cache
-def cuda_digests_with(xla_flags: str) -> dict:
+def cuda_digests_with(xla_flags: str, clusters: str = "") -> dict:
   """cuda_digests() in a fresh process with XLA_FLAGS=xla_flags (XLA reads them once, when JAX
-  starts its backends); one process per flags for the forward and the backward tests."""
+  starts its backends) and, if given, MOK_GEMM_CLUSTER=clusters ("1": one CTA a tile, "2":
+  clusters of two in every row-grouped launch; read once per process); one process per
+  arguments for the forward and the backward tests."""
   env = dict(os.environ, XLA_FLAGS=xla_flags)
+  env.pop("MOK_GEMM_CLUSTER", None)
+  if clusters:
+    env["MOK_GEMM_CLUSTER"] = clusters
   here = os.path.dirname(os.path.abspath(__file__))  # for `import cases`
   done = subprocess.run(
       [sys.executable, "-c", "import json, cases; print(json.dumps(cases.cuda_digests()))"],
       env=env, cwd=here, capture_output=True, text=True, timeout=600)
-  assert done.returncode == 0, f"XLA_FLAGS={xla_flags}: {done.stderr[-4000:]}"
+  assert done.returncode == 0, f"XLA_FLAGS={xla_flags} {clusters}: {done.stderr[-4000:]}"
   return json.loads(done.stdout.strip().splitlines()[-1])
 
 

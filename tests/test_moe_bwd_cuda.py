@@ -118,6 +118,19 @@ def test_same_bits_with_command_buffers(block_m):
     assert not differ, f"call {i} with command buffers: different bits in {differ}"
 
 
+@pytest.mark.parametrize("block_m", ops.CUDA_BLOCK_MS)
+def test_same_bits_in_clusters(block_m):
+  """The row-grouped launches in clusters of two CTAs (B and A shared by multicast, absent
+  tiles walking their peer's k-steps) give y and every gradient the bits of one CTA a tile."""
+  alone = cuda_digests_with(NO_COMMAND_BUFFER_FLAGS, "1")[str(block_m)]
+  paired = cuda_digests_with(NO_COMMAND_BUFFER_FLAGS, "2")[str(block_m)]
+  assert set(alone["grad"][0]) == {"loss", "y", *GRAD_NAMES}, alone["grad"][0].keys()
+  assert paired["fwd"] == alone["fwd"]
+  for i, replay in enumerate(paired["grad"]):
+    differ = sorted(name for name in alone["grad"][0] if replay[name] != alone["grad"][0][name])
+    assert not differ, f"call {i} in clusters: different bits in {differ}"
+
+
 def test_f32_partial_output_under_shard_map():
   """Expert parallelism over a 1-GPU axis: the kernel returns an f32 partial y and gets f32 dy."""
   case = make_case(512, 128, 128, 8, 2, dtype=BF16, seed=6)

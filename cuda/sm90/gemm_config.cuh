@@ -21,9 +21,12 @@ struct GemmConfig {
   static constexpr int kMaxGroups = 512;
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
-  // setmaxnreg: the producer needs few registers; consumers hold the accumulators.
+  // setmaxnreg: the producer needs few registers; consumers hold the accumulators. In clusters
+  // of two (ScheduleUnit) the producer's scheduling of units spilled at 40.
   static constexpr uint32_t kProducerRegs = 40;
   static constexpr uint32_t kConsumerRegs = 232;
+  static constexpr uint32_t kClusterProducerRegs = 56;
+  static constexpr uint32_t kClusterConsumerRegs = 224;
   // TMA boxes: 64 bf16 = 128 bytes inner, the 128-byte swizzle span.
   static constexpr int kBoxInner = 64;
 };

@@ -29,6 +29,12 @@ struct ChainSmem {
   int32_t slot_chain[kTileSlots];     // its GEMM in the chain; -1: no more tiles
   uint64_t slot_full[kTileSlots];     // the producer wrote slot_tile and slot_chain
   uint64_t slot_empty[kTileSlots];    // all 256 consumer threads read them
+  // Clusters of two (ScheduleUnit): the unit that rank 0 took from the queue, in rank 1's
+  // shared memory, and the pairs of row tiles before each group.
+  int32_t unit_tile[kTileSlots];
+  uint64_t unit_full[kTileSlots];     // rank 1's: rank 0 wrote unit_tile
+  uint64_t unit_empty[kTileSlots];    // rank 0's: rank 1 read it
+  int32_t pair_start[GemmConfig::kMaxGroups + 1];
 };
 
 template <class Kind>
@@ -66,8 +72,10 @@ using SlotKind = std::conditional_t<(kSlot < 2), Kind0, Kind1>;
 // warpgroup has set its registers (setmaxnreg): kProducer for warpgroup 0, whose thread 0
 // issues the loads, else a consumer warpgroup's. The roles meet at CTA barriers in their
 // separate copies of this code, hence CtaSync rather than __syncthreads. `next`: another chain
-// follows in the same shared memory, so the barriers are invalidated at the end.
-template <class Kind0, class Kind1, int kSlots, bool kProducer>
+// follows in the same shared memory, so the barriers are invalidated at the end. kClusterM = 2:
+// the CTAs of a cluster take units of two tiles (ScheduleUnit), rank 0 from the queue, and
+// hands each to rank 1 through unit_tile.
+template <class Kind0, class Kind1, int kSlots, bool kProducer, int kClusterM = 1>
 __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw, bool next) {
   static_assert(Kind0::kMajorA == Kind1::kMajorA && Kind0::kMajorB == Kind1::kMajorB &&
                     Kind0::kSched == Kind1::kSched,
@@ -76,6 +84,8 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
                     Kind0::kBlockK == Kind1::kBlockK,
                 "the GEMMs of a chain share the pipeline and staging");
   static_assert(kGemmSmemBytes<Kind0> <= 227 * 1024, "past an H100/H200 CTA's shared memory");
+  static_assert(kClusterM == 1 || (kClusterM == 2 && Kind0::kSched == Schedule::kRowsByGroup),
+                "clusters of two row-grouped GEMM CTAs");
   using C = GemmConfig;
   using Smem = GemmSmemOf<Kind0>;
   constexpr Schedule kSched = Kind0::kSched;
@@ -84,6 +94,7 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
   Smem& smem = *reinterpret_cast<Smem*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   ChainSmem& cs = *reinterpret_cast<ChainSmem*>(&smem + 1);
+  const uint32_t rank = kClusterM > 1 ? ClusterRank() : 0;
   // The slots with offsets share them (ChainTiles checks): one copy in shared memory, which
   // the consumers write and scan (they have the registers for it).
   const int32_t* group_offsets = nullptr;
@@ -104,8 +115,13 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
     }
     CtaSync();
     if (kSched == Schedule::kRowsByGroup) {
-      if (!kProducer && threadIdx.x / 32 == 4)
+      if (!kProducer && threadIdx.x / 32 == 4) {
         ScanGroupTiles(smem.offsets, groups, threadIdx.x % 32, smem.tile_start);
+        if (kClusterM > 1) {
+          __syncwarp();
+          ScanGroupPairs(smem.tile_start, groups, threadIdx.x % 32, cs.pair_start);
+        }
+      }
       tile_start = smem.tile_start;
     } else if (row_tokens && !kProducer) {
       UsedRowEnds(smem.offsets, row_tokens, groups, threadIdx.x / 32 - 4, kConsumerThreads / 32,
@@ -136,15 +152,22 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
     }
     for (int s = 0; s < Kind0::kStages; ++s) {
       BarrierInit(&smem.full[s], 1);
-      BarrierInit(&smem.empty[s], C::kConsumerWarpgroups);
+      BarrierInit(&smem.empty[s], C::kConsumerWarpgroups * kClusterM);
     }
     for (int s = 0; s < kTileSlots; ++s) {
       BarrierInit(&cs.slot_full[s], 1);
       BarrierInit(&cs.slot_empty[s], kConsumerThreads);
+      if (kClusterM > 1) {
+        BarrierInit(&cs.unit_full[s], 1);
+        BarrierInit(&cs.unit_empty[s], 1);
+      }
     }
     FenceBarrierInit();
   }
-  CtaSync();  // the scan and the barriers are done
+  // The scan and the barriers are done; in clusters, also the peer's, before any multicast or
+  // arrival reaches them.
+  if constexpr (kClusterM > 1) ClusterSync();
+  else CtaSync();
 
   // Both roles walk the same tiles in the same order; `it` keeps their rings in step.
   uint32_t it = 0;
@@ -154,7 +177,12 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
       CUTE_UNROLL
       for (int i = 0; i < kSlots; ++i) {
         cs.first_tile[i] = total;
-        total += TileCount<kSched>(c.gemm[i], c.gemm[i].offsets ? tile_start : nullptr);
+        if constexpr (kClusterM > 1) {
+          total += UnitCount(c.gemm[i], c.gemm[i].offsets ? tile_start : nullptr,
+                             c.gemm[i].offsets ? cs.pair_start : nullptr);
+        } else {
+          total += TileCount<kSched>(c.gemm[i], c.gemm[i].offsets ? tile_start : nullptr);
+        }
       }
       cs.first_tile[kSlots] = total;
       // The tile of slot i at linear index `linear`.
@@ -162,6 +190,12 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
         const GemmParams& p = c.gemm[decltype(slot)::value];
         using Kind = SlotKind<Kind0, Kind1, decltype(slot)::value>;
         constexpr int kTileCols = Kind::kEpi == Epilogue::kSwiGLU ? C::kBlockN / 2 : C::kBlockN;
+        if constexpr (kClusterM > 1) {
+          return ScheduleUnit<Kind0::kBlockK, kTileCols>(
+              p, p.offsets ? smem.offsets : nullptr, p.offsets ? tile_start : nullptr,
+              p.offsets ? cs.pair_start : nullptr, linear - cs.first_tile[decltype(slot)::value],
+              static_cast<int>(rank));
+        }
         return ScheduleTile<kSched, Kind0::kBlockK, kTileCols>(
             p, p.offsets ? smem.offsets : nullptr, p.offsets ? tile_start : nullptr,
             kSched == Schedule::kGroupedK && p.offsets && p.row_tokens ? smem.used_end : nullptr,
@@ -171,7 +205,20 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
         const int slot = j % kTileSlots;
         // Tiles go out in queue order, as SMs free up (tiles waiting on rows, ragged row tiles,
         // CTAs that join from another chain).
-        const int64_t linear = atomicAdd(c.queue, 1);
+        int64_t linear;
+        if (kClusterM == 1 || rank == 0) {
+          linear = atomicAdd(c.queue, 1);
+          if constexpr (kClusterM > 1) {
+            BarrierWaitCluster(&cs.unit_empty[slot], ((j / kTileSlots) & 1) ^ 1);
+            StoreSharedCluster32(&cs.unit_tile[slot], 1,
+                                 static_cast<int32_t>(linear < total ? linear : total));
+            BarrierArriveRelease(&cs.unit_full[slot], 1);
+          }
+        } else {
+          BarrierWaitCluster(&cs.unit_full[slot], (j / kTileSlots) & 1);
+          linear = *static_cast<volatile int32_t*>(&cs.unit_tile[slot]);
+          BarrierArriveRelease(&cs.unit_empty[slot], 0);
+        }
         const int i = linear < total ? ChainIndex(cs, kSlots, linear) : -1;
         GemmTile tile{};
         if (i >= 0) {
@@ -186,7 +233,7 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
         if (i < 0) break;
         WithSlot<kSlots>(i, [&](auto s) __attribute__((always_inline)) {
           constexpr int kSlot = decltype(s)::value;
-          if (c.wait_base[kSlot] >= 0) {
+          if (c.wait_base[kSlot] >= 0 && !tile.absent) {
             // A is rows that another slot of this launch writes: wait for all of that slot's
             // column tiles of this row tile. Every tile handed out before this one is running
             // or done, and a waited-on tile waits on nothing itself: no deadlock, whatever the
@@ -194,7 +241,8 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
             WaitAtLeast(c.ready + c.wait_base[kSlot] + tile.row_tile, c.wait_count[kSlot]);
             FenceProxyAsyncGlobal();
           }
-          LoadTile<SlotKind<Kind0, Kind1, kSlot>>(c.gemm[kSlot], tile, smem, it);
+          LoadTile<SlotKind<Kind0, Kind1, kSlot>, kClusterM>(c.gemm[kSlot], tile, smem,
+                                                             static_cast<int>(rank), it);
         });
       }
     }
@@ -209,6 +257,10 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
       BarrierArrive(&cs.slot_empty[slot]);
       if (i < 0) break;
       const int wg = thread / 128;
+      if (kClusterM > 1 && tile.absent) {
+        SkipSteps<Kind0, kClusterM>(smem, tile.num_k, wg, thread % 128 == 0, it);
+        continue;
+      }
       // After a tile's stores: if another slot reads these rows with TMA, publish them once all
       // 256 threads' stores are visible to the async proxy at GPU scope.
       auto publish = [&](auto s) __attribute__((always_inline)) {
@@ -224,7 +276,7 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
         auto acc = cute::partition_fragment_C(
             typename GemmLayouts<Kind0>::TiledMma{},
             cute::Shape<cute::Int<C::kBlockM>, cute::Int<C::kBlockN>>{});
-        MmaTile<Kind0>(tile, smem, thread, acc, it);
+        MmaTile<Kind0, kClusterM>(tile, smem, thread, acc, it);
         WithSlot<kSlots>(i, [&](auto s) __attribute__((always_inline)) {
           constexpr int kSlot = decltype(s)::value;
           StoreTile<SlotKind<Kind0, Kind1, kSlot>>(
@@ -241,9 +293,9 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
             cute::Shape<cute::Int<kWarpgroupRows>, cute::Int<C::kBlockN / 2>>{});
         if (std::is_same_v<typename SplitLayouts<Kind0>::PartB,
                            typename SplitLayouts<Kind1>::PartB> || i < 2) {
-          MmaTileSplit<Kind0>(tile, smem, thread % 128, a_block, part, acc, it);
+          MmaTileSplit<Kind0, kClusterM>(tile, smem, thread % 128, a_block, part, acc, it);
         } else {
-          MmaTileSplit<Kind1>(tile, smem, thread % 128, a_block, part, acc, it);
+          MmaTileSplit<Kind1, kClusterM>(tile, smem, thread % 128, a_block, part, acc, it);
         }
         WithSlot<kSlots>(i, [&](auto s) __attribute__((always_inline)) {
           constexpr int kSlot = decltype(s)::value;
@@ -277,18 +329,21 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
   }
 }
 
-template <class Kind0, class Kind1, int kSlots>
+template <class Kind0, class Kind1, int kSlots, int kClusterM>
 __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
     GemmChainKernel(const __grid_constant__ ChainParams c) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ uint8_t smem_raw[];
+  using C = GemmConfig;
   if (threadIdx.x < 128) {
-    SetMaxRegistersDec<GemmConfig::kProducerRegs>();
-    RunChain<Kind0, Kind1, kSlots, true>(c, smem_raw, false);
+    SetMaxRegistersDec<kClusterM == 1 ? C::kProducerRegs : C::kClusterProducerRegs>();
+    RunChain<Kind0, Kind1, kSlots, true, kClusterM>(c, smem_raw, false);
   } else {
-    SetMaxRegistersInc<GemmConfig::kConsumerRegs>();
-    RunChain<Kind0, Kind1, kSlots, false>(c, smem_raw, false);
+    SetMaxRegistersInc<kClusterM == 1 ? C::kConsumerRegs : C::kClusterConsumerRegs>();
+    RunChain<Kind0, Kind1, kSlots, false, kClusterM>(c, smem_raw, false);
   }
+  // No CTA leaves while its peer may still multicast into it or arrive on its barriers.
+  if constexpr (kClusterM > 1) ClusterSync();
 #endif
 }
 

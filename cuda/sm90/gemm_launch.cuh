@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <map>
+#include <mutex>
 
 #include "gemm_kernel.cuh"
 #include "shared_memory.h"
@@ -114,11 +116,84 @@ const char* LaunchGemmKernel(void (*kernel)(Params...), size_t smem, int64_t cta
   return Check(cudaGetLastError());
 }
 
-// Launches the chain `c` of prepared GEMMs on `ctas` CTAs.
-template <class Kind0, class Kind1, int kSlots>
+// Whether a row-grouped launch of `c` runs in clusters of two CTAs (ScheduleUnit): when its
+// groups average at most kClusterRows rows (routed rows with their padding bound, R / E). Few
+// row tiles a group: its weights stream into one or two row tiles, and a pair that shares B
+// reads them from L2 once (a group's odd row tile goes as two column tiles side by side, which
+// share nothing but their time). Many: a band of eight row tiles already shares B through L2,
+// and the pairs' lockstep costs more than the bytes save. MOK_GEMM_CLUSTER=1 or 2 forces
+// either.
+//
+// NOTES: tools/ab, one H200, 2026-11-30 12:25-12:33 UTC, same bits, one CTA a tile -> clusters
+// on every launch (GPU ms of the forward-MLP launch at full clock; a forward back to back at
+// the power limit): dsv3 (R / E 255) 6.23 -> 5.87, 7.21 -> 6.94; gptoss_120b (383) 2.73 ->
+// 2.70, 3.33 -> 3.29; qwen3_30b (1151) 1.83 -> 1.85, 2.53 -> 2.56; mixtral (2175) 7.55 ->
+// 7.73, 9.14 -> 9.02.
+constexpr int64_t kClusterRows = 512;
+
+inline bool UseClusters(const ChainParams& c) {
+  static const int forced = [] {
+    const char* env = std::getenv("MOK_GEMM_CLUSTER");
+    return env ? std::atoi(env) : 0;
+  }();
+  if (forced == 1 || forced == 2) return forced == 2;
+  for (const GemmParams& p : c.gemm) {
+    if (p.offsets) return p.m_total <= kClusterRows * p.groups;
+  }
+  return false;
+}
+
+// How many clusters of `config`'s kernel fit on the device at once (not every SM may find a
+// partner in its GPC), asked once per device and kernel.
+template <class Kernel>
+const char* ClustersThatFit(Kernel kernel, cudaLaunchConfig_t config, int* fit) {
+  static std::mutex mu;
+  static std::map<int, int> fits;
+  int device = 0;
+  if (auto err = Check(cudaGetDevice(&device))) return err;
+  std::lock_guard<std::mutex> lock(mu);
+  if (!fits.count(device)) {
+    int n = 0;
+    if (auto err = Check(cudaOccupancyMaxActiveClusters(&n, kernel, &config))) return err;
+    fits[device] = n;
+  }
+  *fit = fits[device];
+  return nullptr;
+}
+
+// Launches the chain `c` of prepared GEMMs on `ctas` CTAs; kClusterM = 2: on at most `ctas` / 2
+// clusters of two, as many as fit at once.
+template <class Kind0, class Kind1, int kSlots, int kClusterM = 1>
 const char* LaunchChain(const ChainParams& c, int64_t ctas, cudaStream_t stream) {
-  return LaunchGemmKernel(GemmChainKernel<Kind0, Kind1, kSlots>, kGemmSmemBytes<Kind0>, ctas,
-                          stream, c);
+  const auto kernel = GemmChainKernel<Kind0, Kind1, kSlots, kClusterM>;
+  if constexpr (kClusterM == 1) {
+    return LaunchGemmKernel(kernel, kGemmSmemBytes<Kind0>, ctas, stream, c);
+  } else {
+    constexpr size_t kSmem = kGemmSmemBytes<Kind0>;
+    if (auto err = Check(AllowSharedMemory(reinterpret_cast<const void*>(kernel),
+                                           static_cast<int>(kSmem))))
+      return err;
+    cudaLaunchConfig_t config{};
+    config.blockDim = dim3(GemmConfig::kThreads);
+    config.dynamicSmemBytes = kSmem;
+    config.stream = stream;
+    cudaLaunchAttribute cluster{};
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = kClusterM;
+    cluster.val.clusterDim.y = 1;
+    cluster.val.clusterDim.z = 1;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    int sms = 0;
+    if (auto err = SmCount(&sms)) return err;
+    config.gridDim = dim3(static_cast<unsigned>(sms / kClusterM * kClusterM));
+    int fit = 0;
+    if (auto err = ClustersThatFit(kernel, config, &fit)) return err;
+    if (fit == 0) return "no cluster of two GEMM CTAs fits on this GPU";
+    const int64_t clusters = std::min<int64_t>((ctas + kClusterM - 1) / kClusterM, fit);
+    config.gridDim = dim3(static_cast<unsigned>(clusters * kClusterM));
+    return Check(cudaLaunchKernelEx(&config, kernel, c));
+  }
 }
 
 // The upper bound on the tiles of the chain `c` of Kind0's pipeline, or an error: the kernel
@@ -152,6 +227,9 @@ const char* LaunchQueued(const ChainParams& c, cudaStream_t stream) {
   if (tiles == 0) return nullptr;
   int sms = 0;
   if (auto err = SmCount(&sms)) return err;
+  // A unit of two tiles holds at least one: `tiles` bounds the units too.
+  if (Kind0::kSched == Schedule::kRowsByGroup && UseClusters(c))
+    return LaunchChain<Kind0, Kind1, kMaxChain, 2>(c, std::min<int64_t>(tiles, sms), stream);
   return LaunchChain<Kind0, Kind1, kMaxChain>(c, std::min<int64_t>(tiles, sms), stream);
 }
 

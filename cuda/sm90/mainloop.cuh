@@ -76,9 +76,15 @@ using GemmSmemOf =
 
 // Producer: one thread issues every TMA of the tile. `it` counts the k-steps of all earlier
 // tiles of this CTA: the ring position and phase continue across tiles.
-template <class Kind, class Smem>
+//
+// In clusters of kClusterM = 2 (ScheduleUnit), a tile that shares B (shared_b) loads its
+// rank's half of B's k-tile (kSwiGLU: rank 0 the w_gate columns, rank 1 the w_up ones)
+// multicast to both CTAs, whose stages then take in the same bytes as alone; an absent tile
+// loads nothing but still completes each stage's phase. Every CTA's `empty` barriers count the
+// consumers of both (MmaSteps), so both producers refill a stage only once both have read it.
+template <class Kind, int kClusterM = 1, class Smem>
 __device__ __forceinline__ void LoadTile(const GemmParams& p, const GemmTile& tile, Smem& smem,
-                                         uint32_t& it) {
+                                         int rank, uint32_t& it) {
   using C = GemmConfig;
   constexpr int kBox = C::kBoxInner * Kind::kBlockK;  // elements of one MN-major panel
   const int n0 = tile.n_tile * C::kBlockN;
@@ -95,6 +101,16 @@ __device__ __forceinline__ void LoadTile(const GemmParams& p, const GemmTile& ti
   const CUtensorMap* a_map = half_a ? &p.a_half : &p.a;
   const CUtensorMap* b0_map = half_b ? &p.b0_half : &p.b0;
   const CUtensorMap* b1_map = half_b ? &p.b1_half : &p.b1;
+  if (kClusterM > 1 && tile.absent) {
+    for (int kt = 0; kt < tile.num_k; ++kt, ++it) {
+      const int s = it % Kind::kStages;
+      BarrierWait(&smem.empty[s], ((it / Kind::kStages) & 1) ^ 1);
+      BarrierArrive(&smem.full[s]);
+    }
+    return;
+  }
+  const bool shared_b = kClusterM > 1 && tile.shared_b;
+  constexpr uint16_t kBoth = 0x3;
   for (int kt = 0; kt < tile.num_k; ++kt, ++it) {
     const int s = it % Kind::kStages;
     const uint32_t round = it / Kind::kStages;
@@ -109,27 +125,69 @@ __device__ __forceinline__ void LoadTile(const GemmParams& p, const GemmTile& ti
                 static_cast<int32_t>(tile.m0 / C::kBoxInner));
     }
     if constexpr (Kind::kKMajorB) {
-      // B(n, k) = W[group * n + n, k]: one (64, 256) box from b0, or b1 past k_split.
+      // B(n, k) = W[group * n + n, k]: one (64, 256) box from b0, or b1 past k_split; shared,
+      // the (64, 128) box of rows [128 rank, 128 rank + 128).
       const bool second = kk >= p.k_split;
-      TmaLoad2d(smem.b[s], second ? b1_map : b0_map, &smem.full[s], second ? kk - p.k_split : kk,
-                tile.group * p.n + n0);
+      const int32_t k0 = second ? kk - p.k_split : kk;
+      if (shared_b) {
+        TmaLoad2d(smem.b[s] + rank * (C::kBlockN / 2) * Kind::kBlockK,
+                  second ? &p.b1_half : &p.b0_half, &smem.full[s], k0,
+                  tile.group * p.n + n0 + rank * (C::kBlockN / 2), kBoth);
+      } else {
+        TmaLoad2d(smem.b[s], second ? b1_map : b0_map, &smem.full[s], k0, tile.group * p.n + n0);
+      }
     } else if constexpr (Kind::kEpi == Epilogue::kSwiGLU) {
       // Panels 0-1 are 128 columns of w_gate, panels 2-3 the same columns of w_up.
       constexpr int kHalf = C::kBlockN / C::kBoxInner / 2;
       const int panel = tile.n_tile * kHalf;
       const auto row = static_cast<int32_t>(b_row0 + kk);
-      TmaLoad3d(smem.b[s], b0_map, &smem.full[s], 0, row, panel);
-      TmaLoad3d(smem.b[s] + kHalf * kBox, b1_map, &smem.full[s], 0, row, panel);
+      if (shared_b) {
+        TmaLoad3d(smem.b[s] + rank * kHalf * kBox, rank == 0 ? &p.b0 : &p.b1, &smem.full[s], 0,
+                  row, panel, kBoth);
+      } else {
+        TmaLoad3d(smem.b[s], b0_map, &smem.full[s], 0, row, panel);
+        TmaLoad3d(smem.b[s] + kHalf * kBox, b1_map, &smem.full[s], 0, row, panel);
+      }
     } else {
-      TmaLoad3d(smem.b[s], b0_map, &smem.full[s], 0, static_cast<int32_t>(b_row0 + kk),
-                n0 / C::kBoxInner);
+      const auto row = static_cast<int32_t>(b_row0 + kk);
+      if (shared_b) {
+        constexpr int kHalf = C::kBlockN / C::kBoxInner / 2;
+        TmaLoad3d(smem.b[s] + rank * kHalf * kBox, &p.b0_half, &smem.full[s], 0, row,
+                  n0 / C::kBoxInner + rank * kHalf, kBoth);
+      } else {
+        TmaLoad3d(smem.b[s], b0_map, &smem.full[s], 0, row, n0 / C::kBoxInner);
+      }
     }
   }
 }
 
 // The k-steps of one tile for a consumer warpgroup: its A and B fragments (MMA, MMA_M|N,
 // MMA_K, PIPE) into acc. `it` as in LoadTile; `releaser` frees each stage for the producer.
-template <class Kind, class Mma, class FragA, class FragB, class Smem, class Accum>
+// In clusters the stage is released to both CTAs' producers (LoadTile).
+template <int kClusterM>
+__device__ __forceinline__ void ReleaseStage(uint64_t* empty) {
+  if constexpr (kClusterM == 1) {
+    BarrierArrive(empty);
+  } else {
+    for (uint32_t rank = 0; rank < kClusterM; ++rank) BarrierArriveRemote(empty, rank);
+  }
+}
+
+// The consumers' side of an absent tile (LoadTile): each stage's phase is waited for and the
+// stage released. A named barrier keeps the warpgroup's four warps together, as wgmma does in
+// MmaSteps: a warp that slept through a refill of its stage would wait for the wrong phase.
+template <class Kind, int kClusterM, class Smem>
+__device__ __forceinline__ void SkipSteps(Smem& smem, int num_k, int wg, bool releaser,
+                                          uint32_t& it) {
+  for (int kt = 0; kt < num_k; ++kt, ++it) {
+    const int s = it % Kind::kStages;
+    BarrierWait(&smem.full[s], (it / Kind::kStages) & 1);
+    NamedBarrierSync(2 + wg, 128);
+    if (releaser) ReleaseStage<kClusterM>(&smem.empty[s]);
+  }
+}
+
+template <class Kind, int kClusterM, class Mma, class FragA, class FragB, class Smem, class Accum>
 __device__ __forceinline__ void MmaSteps(Mma& mma, const FragA& tCrA, const FragB& tCrB,
                                          Smem& smem, int num_k, bool releaser, Accum& acc,
                                          uint32_t& it) {
@@ -154,17 +212,17 @@ __device__ __forceinline__ void MmaSteps(Mma& mma, const FragA& tCrA, const Frag
     // Keep one k-step of wgmma in flight; the one before it has finished reading its stage.
     warpgroup_wait<1>();
     warpgroup_fence_operand(acc);
-    if (kt > 0 && releaser) BarrierArrive(&smem.empty[previous]);
+    if (kt > 0 && releaser) ReleaseStage<kClusterM>(&smem.empty[previous]);
     previous = s;
   }
   warpgroup_wait<0>();
   warpgroup_fence_operand(acc);
-  if (releaser) BarrierArrive(&smem.empty[previous]);  // the producer may refill it now
+  if (releaser) ReleaseStage<kClusterM>(&smem.empty[previous]);  // may be refilled now
 }
 
 // Consumers: accumulate the (128, 256) tile; each warpgroup owns 64 rows of it. `thread` is the
 // index among the 256 consumer threads.
-template <class Kind, class Smem, class Accum>
+template <class Kind, int kClusterM = 1, class Smem, class Accum>
 __device__ __forceinline__ void MmaTile(const GemmTile& tile, Smem& smem, int thread,
                                         Accum& acc, uint32_t& it) {
   using namespace cute;
@@ -175,7 +233,7 @@ __device__ __forceinline__ void MmaTile(const GemmTile& tile, Smem& smem, int th
   auto thr = mma.get_thread_slice(thread);
   Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // (MMA, MMA_M, MMA_K, PIPE)
   Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));  // (MMA, MMA_N, MMA_K, PIPE)
-  MmaSteps<Kind>(mma, tCrA, tCrB, smem, tile.num_k, thread % 128 == 0, acc, it);
+  MmaSteps<Kind, kClusterM>(mma, tCrA, tCrB, smem, tile.num_k, thread % 128 == 0, acc, it);
 }
 
 // A split tile, for tiles with at most 64 rows (half) or at most half of their columns (narrow)
@@ -197,7 +255,7 @@ struct SplitLayouts {
 };
 
 // `wg_thread`: the index in the warpgroup.
-template <class Kind, class Smem, class Accum>
+template <class Kind, int kClusterM = 1, class Smem, class Accum>
 __device__ __forceinline__ void MmaTileSplit(const GemmTile& tile, Smem& smem, int wg_thread,
                                              int a_block, int part, Accum& acc, uint32_t& it) {
   using namespace cute;
@@ -214,7 +272,7 @@ __device__ __forceinline__ void MmaTileSplit(const GemmTile& tile, Smem& smem, i
   auto thr = mma.get_thread_slice(wg_thread);
   Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA_part));
   Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB_part));
-  MmaSteps<Kind>(mma, tCrA, tCrB, smem, tile.num_k, wg_thread == 0, acc, it);
+  MmaSteps<Kind, kClusterM>(mma, tCrA, tCrB, smem, tile.num_k, wg_thread == 0, acc, it);
 }
 
 }  // namespace mok::sm90

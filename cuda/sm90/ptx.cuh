@@ -50,6 +50,20 @@ __device__ __forceinline__ bool BarrierTryWait(uint32_t addr, uint32_t parity) {
   return done != 0;
 }
 
+// BarrierTryWait with acquire at cluster scope: for a phase that another CTA of the cluster
+// completed after writing this CTA's shared memory (st.shared::cluster).
+__device__ __forceinline__ bool BarrierTryWaitCluster(uint32_t addr, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n .reg .pred p;\n"
+      " mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+      " selp.u32 %0, 1, 0, p;\n}"
+      : "=r"(done)
+      : "r"(addr), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
 // NOTES: a legitimate wait lasts microseconds (milliseconds under compute-sanitizer); one of
 // four seconds is a pipeline bug, and trapping turns a hung GPU into an error that XLA reports.
 constexpr uint64_t kWaitBoundNs = 4'000'000'000ull;
@@ -65,6 +79,14 @@ __device__ __forceinline__ void BarrierWait(uint64_t* bar, uint32_t parity) {
       if (start == 0) start = now;
       else if (now - start > kWaitBoundNs) __trap();
     }
+  }
+}
+
+// BarrierWait with BarrierTryWaitCluster, unbounded: the wait for the unit that the peer CTA
+// took from the queue, which it hands over before any wait that can trap.
+__device__ __forceinline__ void BarrierWaitCluster(uint64_t* bar, uint32_t parity) {
+  const uint32_t addr = SmemAddr(bar);
+  while (!BarrierTryWaitCluster(addr, parity)) {
   }
 }
 
@@ -221,6 +243,72 @@ __device__ __forceinline__ void TmaLoad3d(void* dst, const CUtensorMap* map, uin
       " [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(SmemAddr(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(SmemAddr(bar)), "r"(c0), "r"(c1), "r"(c2)
       : "memory");
+}
+
+// TmaLoad2d / TmaLoad3d into the same shared-memory offset of every CTA of the cluster in
+// `ctas` (a bit mask of ranks), each completing on the barrier at `bar`'s offset in its own.
+__device__ __forceinline__ void TmaLoad2d(void* dst, const CUtensorMap* map, uint64_t* bar,
+                                          int32_t c0, int32_t c1, uint16_t ctas) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      ".multicast::cluster [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(SmemAddr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(SmemAddr(bar)), "r"(c0), "r"(c1), "h"(ctas)
+      : "memory");
+}
+
+__device__ __forceinline__ void TmaLoad3d(void* dst, const CUtensorMap* map, uint64_t* bar,
+                                          int32_t c0, int32_t c1, int32_t c2, uint16_t ctas) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      ".multicast::cluster [%0], [%1, {%3, %4, %5}], [%2], %6;" ::"r"(SmemAddr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(SmemAddr(bar)), "r"(c0), "r"(c1), "r"(c2),
+      "h"(ctas)
+      : "memory");
+}
+
+// Clusters of CTAs (the paired row-grouped GEMMs): this CTA's rank; a barrier of every thread
+// of every CTA of the cluster; the address in CTA `rank` of this CTA's shared address `addr`.
+__device__ __forceinline__ uint32_t ClusterRank() {
+  uint32_t rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+  return rank;
+}
+
+__device__ __forceinline__ void ClusterSync() {
+  asm volatile("barrier.cluster.arrive.release;\n"
+               "barrier.cluster.wait.acquire;" ::: "memory");
+}
+
+__device__ __forceinline__ uint32_t MapShared(uint32_t addr, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+  return remote;
+}
+
+// Arrives on `bar` of CTA `rank` (this one included) with no ordering beyond this CTA: a
+// consumer's release of a stage, whose reads (wgmma, already waited for) are all that the
+// peer's TMA must follow.
+//
+// NOTES: the .release.cluster form compiles to MEMBAR.ALL.GPU, which waits for the thread's
+// outstanding global stores; in every k-step that made the clusters 1.5x slower (H200,
+// 2026-11-30, wip/cluster-ps).
+__device__ __forceinline__ void BarrierArriveRemote(uint64_t* bar, uint32_t rank) {
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(
+                   MapShared(SmemAddr(bar), rank))
+               : "memory");
+}
+
+// Arrives on `bar` of CTA `rank`, ordering this thread's earlier shared-memory accesses (to
+// either CTA) before it: once a tile, for the unit hand-over.
+__device__ __forceinline__ void BarrierArriveRelease(uint64_t* bar, uint32_t rank) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(
+                   MapShared(SmemAddr(bar), rank))
+               : "memory");
+}
+
+__device__ __forceinline__ void StoreSharedCluster32(void* p, uint32_t rank, int32_t v) {
+  asm volatile("st.shared::cluster.s32 [%0], %1;" ::"r"(MapShared(SmemAddr(p), rank)), "r"(v)
+               : "memory");
 }
 
 __device__ __forceinline__ void PrefetchTmaDescriptor(const CUtensorMap* map) {

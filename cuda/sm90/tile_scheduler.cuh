@@ -25,6 +25,11 @@ struct GemmTile {
   int row_tile;     // kRowsByGroup: the row tile among all groups' (ScanGroupTiles numbering)
   bool half;        // only rows [m0, m0 + 64) are the group's
   bool narrow;      // only the first half of the tile's columns are in range
+  // In clusters of two (ScheduleUnit): the CTA has no tile in this unit (it walks the unit's
+  // k-steps to keep its pipeline in step with the peer's), or the two CTAs' tiles share B,
+  // each loading half of it for both.
+  bool absent;
+  bool shared_b;
   // Half and narrow tiles are split (MmaTileSplit): a warpgroup multiplies 64 x 128.
   __host__ __device__ bool split() const { return half || narrow; }
 };
@@ -109,6 +114,21 @@ __device__ __forceinline__ RasterPos Raster(int64_t local, int64_t rows, int col
   return {b * band + in_band % band_rows, static_cast<int>(in_band / band_rows)};
 }
 
+// Row tile `row` (of the group's, whose first is tile `first` of all groups') and column tile
+// `col` of group t.group of a kRowsByGroup GEMM, into t.
+template <int kBlockK, int kTileCols>
+__device__ __forceinline__ void PlaceRowTile(const GemmParams& p, const int32_t* offsets,
+                                             int64_t first, int64_t row, int col, GemmTile& t) {
+  constexpr int kM = GemmConfig::kBlockM;
+  t.n_tile = col;
+  t.row_tile = static_cast<int>(first + row);
+  t.m0 = (offsets ? offsets[t.group] : 0) + row * kM;
+  t.m_end = offsets ? offsets[t.group + 1] : p.m_total;
+  t.half = offsets && t.m_end - t.m0 <= kM / 2;
+  t.narrow = p.n - t.n_tile * kTileCols <= kTileCols / 2;
+  t.num_k = p.k / kBlockK;
+}
+
 // offsets, tile_start: the groups' offsets and ScanGroupTiles in shared memory, or null (one
 // group); used_end (kGroupedK): UsedRowEnds in shared memory, or null (the padded ends).
 // `linear` < TileCount (the launch's queue hands out no other). kTileCols: the output columns
@@ -121,6 +141,8 @@ __device__ __forceinline__ GemmTile ScheduleTile(const GemmParams& p, const int3
   GemmTile t;
   t.half = false;
   t.narrow = false;
+  t.absent = false;
+  t.shared_b = false;
   t.k_begin = 0;
   t.group = 0;
   if constexpr (kSched == Schedule::kRowsByGroup) {
@@ -138,13 +160,7 @@ __device__ __forceinline__ GemmTile ScheduleTile(const GemmParams& p, const int3
       rows = tile_start[lo + 1] - first;
     }
     const RasterPos pos = Raster(linear - first * p.n_tiles, rows, p.n_tiles, p.raster_rows);
-    t.n_tile = pos.col;
-    t.row_tile = static_cast<int>(first + pos.row);
-    t.m0 = (offsets ? offsets[t.group] : 0) + pos.row * C::kBlockM;
-    t.m_end = offsets ? offsets[t.group + 1] : p.m_total;
-    t.half = offsets && t.m_end - t.m0 <= C::kBlockM / 2;
-    t.narrow = p.n - t.n_tile * kTileCols <= kTileCols / 2;
-    t.num_k = p.k / kBlockK;
+    PlaceRowTile<kBlockK, kTileCols>(p, offsets, first, pos.row, pos.col, t);
   } else {
     const int64_t per_group = int64_t{p.m_tiles} * p.n_tiles;
     t.group = static_cast<int>(linear / per_group);
@@ -158,6 +174,90 @@ __device__ __forceinline__ GemmTile ScheduleTile(const GemmParams& p, const int3
     const int64_t k_end = used_end ? used_end[t.group]
                           : offsets ? offsets[t.group + 1] : p.m_total;
     t.num_k = static_cast<int>((k_end - t.k_begin + kBlockK - 1) / kBlockK);
+  }
+  return t;
+}
+
+// Clusters of two CTAs (kRowsByGroup). The queue hands out units, and both CTAs of a cluster
+// take each: a pair of row tiles 2q, 2q + 1 of one group and one column tile, whose B (the
+// group's weights) each CTA loads half of for both (TMA multicast), so that L2 serves B once
+// for two row tiles; or, for a group's last row tile when it has an odd number, two of its
+// column tiles side by side, which share nothing (rank 1 has none past the last column).
+// Within a group the pairs come first, in bands of raster_rows / 2 pairs as ScheduleTile's
+// row tiles, then the odd row tile's units.
+//
+// pair_start[g] = the pairs of row tiles of the groups before g, from ScanGroupTiles' counts;
+// pair_start[groups] = all of them. Run by one warp.
+__device__ __forceinline__ void ScanGroupPairs(const int32_t* tile_start, int groups, int lane,
+                                               int32_t* pair_start) {
+  const int per_lane = (groups + 31) / 32;
+  const int g0 = min(lane * per_lane, groups), g1 = min(g0 + per_lane, groups);
+  int sum = 0;
+  for (int g = g0; g < g1; ++g) sum += (tile_start[g + 1] - tile_start[g]) / 2;
+  int inclusive = sum;
+  for (int d = 1; d < 32; d *= 2) {
+    const int v = __shfl_up_sync(0xffffffffu, inclusive, d);
+    if (lane >= d) inclusive += v;
+  }
+  int run = inclusive - sum;
+  for (int g = g0; g < g1; ++g) {
+    pair_start[g] = run;
+    run += (tile_start[g + 1] - tile_start[g]) / 2;
+  }
+  if (lane == 31) pair_start[groups] = inclusive;
+}
+
+// The units before group g (g = groups: all of them) of a GEMM with `n_tiles` column tiles:
+// tiles / pairs are the row tiles / pairs before it.
+__device__ __forceinline__ int64_t UnitsBefore(int64_t tiles, int64_t pairs, int n_tiles) {
+  return pairs * n_tiles + (tiles - 2 * pairs) * ((n_tiles + 1) / 2);
+}
+
+// The units of one GEMM (kRowsByGroup); tile_start and pair_start in shared memory, or null.
+__device__ __forceinline__ int64_t UnitCount(const GemmParams& p, const int32_t* tile_start,
+                                             const int32_t* pair_start) {
+  const int64_t rows = tile_start ? int64_t{tile_start[p.groups]}
+                                  : (p.m_total + GemmConfig::kBlockM - 1) / GemmConfig::kBlockM;
+  const int64_t pairs = pair_start ? int64_t{pair_start[p.groups]} : rows / 2;
+  return UnitsBefore(rows, pairs, p.n_tiles);
+}
+
+// The tile of the CTA of rank `rank` in unit `linear` < UnitCount.
+template <int kBlockK, int kTileCols>
+__device__ __forceinline__ GemmTile ScheduleUnit(const GemmParams& p, const int32_t* offsets,
+                                                 const int32_t* tile_start,
+                                                 const int32_t* pair_start, int64_t linear,
+                                                 int rank) {
+  GemmTile t;
+  t.half = false;
+  t.narrow = false;
+  t.absent = false;
+  t.shared_b = false;
+  t.k_begin = 0;
+  t.group = 0;
+  int64_t first = 0, rows = (p.m_total + GemmConfig::kBlockM - 1) / GemmConfig::kBlockM;
+  int64_t local = linear;
+  if (offsets) {
+    int lo = 0, hi = p.groups - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (UnitsBefore(tile_start[mid], pair_start[mid], p.n_tiles) <= linear) lo = mid;
+      else hi = mid - 1;
+    }
+    t.group = lo;
+    first = tile_start[lo];
+    rows = tile_start[lo + 1] - first;
+    local = linear - UnitsBefore(first, pair_start[lo], p.n_tiles);
+  }
+  const int64_t pairs = rows / 2;
+  if (local < pairs * p.n_tiles) {
+    const RasterPos pos = Raster(local, pairs, p.n_tiles, max(1, p.raster_rows / 2));
+    PlaceRowTile<kBlockK, kTileCols>(p, offsets, first, 2 * pos.row + rank, pos.col, t);
+    t.shared_b = !t.narrow;
+  } else {
+    const int col = 2 * static_cast<int>(local - pairs * p.n_tiles) + rank;
+    PlaceRowTile<kBlockK, kTileCols>(p, offsets, first, rows - 1, min(col, p.n_tiles - 1), t);
+    t.absent = col >= p.n_tiles;
   }
   return t;
 }
