@@ -60,16 +60,14 @@ __device__ __forceinline__ int64_t TileCount(const GemmParams& p, const int32_t*
   }
 }
 
-// tile_start[g] = the first row tile of group g, when the kBlockM-row tiles of all groups are
-// numbered without gaps (a group of c rows has ceil(c / kBlockM) of them, the last a half tile
-// when c mod kBlockM = 64); tile_start[groups] = all of them. Run by one warp.
-__device__ __forceinline__ void ScanGroupTiles(const int32_t* offsets, int groups, int lane,
-                                               int32_t* tile_start) {
-  constexpr int kM = GemmConfig::kBlockM;
+// out[g] = the sum of count(h) over the groups h < g; out[groups] = the sum over all. Run by
+// one warp: each lane sums a run of groups, then a scan across the lanes.
+template <class Count>
+__device__ __forceinline__ void ScanGroups(int groups, int lane, Count count, int32_t* out) {
   const int per_lane = (groups + 31) / 32;
   const int g0 = min(lane * per_lane, groups), g1 = min(g0 + per_lane, groups);
   int sum = 0;
-  for (int g = g0; g < g1; ++g) sum += (offsets[g + 1] - offsets[g] + kM - 1) / kM;
+  for (int g = g0; g < g1; ++g) sum += count(g);
   int inclusive = sum;
   for (int d = 1; d < 32; d *= 2) {
     const int v = __shfl_up_sync(0xffffffffu, inclusive, d);
@@ -77,10 +75,20 @@ __device__ __forceinline__ void ScanGroupTiles(const int32_t* offsets, int group
   }
   int run = inclusive - sum;
   for (int g = g0; g < g1; ++g) {
-    tile_start[g] = run;
-    run += (offsets[g + 1] - offsets[g] + kM - 1) / kM;
+    out[g] = run;
+    run += count(g);
   }
-  if (lane == 31) tile_start[groups] = inclusive;
+  if (lane == 31) out[groups] = inclusive;
+}
+
+// tile_start[g] = the first row tile of group g, when the kBlockM-row tiles of all groups are
+// numbered without gaps (a group of c rows has ceil(c / kBlockM) of them, the last a half tile
+// when c mod kBlockM = 64); tile_start[groups] = all of them. Run by one warp.
+__device__ __forceinline__ void ScanGroupTiles(const int32_t* offsets, int groups, int lane,
+                                               int32_t* tile_start) {
+  constexpr int kM = GemmConfig::kBlockM;
+  ScanGroups(groups, lane, [&](int g) { return (offsets[g + 1] - offsets[g] + kM - 1) / kM; },
+             tile_start);
 }
 
 // used_end[g] = the end of group g's used rows (its first padding row, or its end): rows of
@@ -129,6 +137,30 @@ __device__ __forceinline__ void PlaceRowTile(const GemmParams& p, const int32_t*
   t.num_k = p.k / kBlockK;
 }
 
+// A tile with no rows placed yet and no flags set.
+__device__ __forceinline__ GemmTile BlankTile() {
+  GemmTile t;
+  t.half = false;
+  t.narrow = false;
+  t.absent = false;
+  t.shared_b = false;
+  t.k_begin = 0;
+  t.group = 0;
+  return t;
+}
+
+// The last of `groups` groups whose first linear index, first(g) (nondecreasing), is at or
+// before `linear` (an empty group shares its first index with the next group).
+template <class First>
+__device__ __forceinline__ int FindGroup(int groups, int64_t linear, First first) {
+  int lo = 0, hi = groups - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (first(mid) <= linear) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
 // offsets, tile_start: the groups' offsets and ScanGroupTiles in shared memory, or null (one
 // group); used_end (kGroupedK): UsedRowEnds in shared memory, or null (the padded ends).
 // `linear` < TileCount (the launch's queue hands out no other). kTileCols: the output columns
@@ -138,26 +170,14 @@ __device__ __forceinline__ GemmTile ScheduleTile(const GemmParams& p, const int3
                                                  const int32_t* tile_start,
                                                  const int32_t* used_end, int64_t linear) {
   using C = GemmConfig;
-  GemmTile t;
-  t.half = false;
-  t.narrow = false;
-  t.absent = false;
-  t.shared_b = false;
-  t.k_begin = 0;
-  t.group = 0;
+  GemmTile t = BlankTile();
   if constexpr (kSched == Schedule::kRowsByGroup) {
     int64_t first = 0, rows = (p.m_total + C::kBlockM - 1) / C::kBlockM;
     if (offsets) {
-      // The last group whose first tile is at or before this one (empty groups share their
-      // first tile with the next group).
-      int lo = 0, hi = p.groups - 1;
-      while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (int64_t{tile_start[mid]} * p.n_tiles <= linear) lo = mid; else hi = mid - 1;
-      }
-      t.group = lo;
-      first = tile_start[lo];
-      rows = tile_start[lo + 1] - first;
+      t.group = FindGroup(p.groups, linear,
+                          [&](int g) { return int64_t{tile_start[g]} * p.n_tiles; });
+      first = tile_start[t.group];
+      rows = tile_start[t.group + 1] - first;
     }
     const RasterPos pos = Raster(linear - first * p.n_tiles, rows, p.n_tiles, p.raster_rows);
     PlaceRowTile<kBlockK, kTileCols>(p, offsets, first, pos.row, pos.col, t);
@@ -190,21 +210,8 @@ __device__ __forceinline__ GemmTile ScheduleTile(const GemmParams& p, const int3
 // pair_start[groups] = all of them. Run by one warp.
 __device__ __forceinline__ void ScanGroupPairs(const int32_t* tile_start, int groups, int lane,
                                                int32_t* pair_start) {
-  const int per_lane = (groups + 31) / 32;
-  const int g0 = min(lane * per_lane, groups), g1 = min(g0 + per_lane, groups);
-  int sum = 0;
-  for (int g = g0; g < g1; ++g) sum += (tile_start[g + 1] - tile_start[g]) / 2;
-  int inclusive = sum;
-  for (int d = 1; d < 32; d *= 2) {
-    const int v = __shfl_up_sync(0xffffffffu, inclusive, d);
-    if (lane >= d) inclusive += v;
-  }
-  int run = inclusive - sum;
-  for (int g = g0; g < g1; ++g) {
-    pair_start[g] = run;
-    run += (tile_start[g + 1] - tile_start[g]) / 2;
-  }
-  if (lane == 31) pair_start[groups] = inclusive;
+  ScanGroups(groups, lane, [&](int g) { return (tile_start[g + 1] - tile_start[g]) / 2; },
+             pair_start);
 }
 
 // The units before group g (g = groups: all of them) of a GEMM with `n_tiles` column tiles:
@@ -228,26 +235,16 @@ __device__ __forceinline__ GemmTile ScheduleUnit(const GemmParams& p, const int3
                                                  const int32_t* tile_start,
                                                  const int32_t* pair_start, int64_t linear,
                                                  int rank) {
-  GemmTile t;
-  t.half = false;
-  t.narrow = false;
-  t.absent = false;
-  t.shared_b = false;
-  t.k_begin = 0;
-  t.group = 0;
+  GemmTile t = BlankTile();
   int64_t first = 0, rows = (p.m_total + GemmConfig::kBlockM - 1) / GemmConfig::kBlockM;
   int64_t local = linear;
   if (offsets) {
-    int lo = 0, hi = p.groups - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (UnitsBefore(tile_start[mid], pair_start[mid], p.n_tiles) <= linear) lo = mid;
-      else hi = mid - 1;
-    }
-    t.group = lo;
-    first = tile_start[lo];
-    rows = tile_start[lo + 1] - first;
-    local = linear - UnitsBefore(first, pair_start[lo], p.n_tiles);
+    t.group = FindGroup(p.groups, linear, [&](int g) {
+      return UnitsBefore(tile_start[g], pair_start[g], p.n_tiles);
+    });
+    first = tile_start[t.group];
+    rows = tile_start[t.group + 1] - first;
+    local = linear - UnitsBefore(first, pair_start[t.group], p.n_tiles);
   }
   const int64_t pairs = rows / 2;
   if (local < pairs * p.n_tiles) {
