@@ -189,7 +189,9 @@ const char* LaunchChain(const ChainParams& c, int64_t ctas, cudaStream_t stream)
     config.gridDim = dim3(static_cast<unsigned>(sms / kClusterM * kClusterM));
     int fit = 0;
     if (auto err = ClustersThatFit(kernel, config, &fit)) return err;
-    if (fit == 0) return "no cluster of two GEMM CTAs fits on this GPU";
+    // A GPU whose SMs cannot host a pair (a small partition of one) runs the same tiles one CTA
+    // a tile: the same bits.
+    if (fit == 0) return LaunchChain<Kind0, Kind1, kSlots>(c, ctas, stream);
     const int64_t clusters = std::min<int64_t>((ctas + kClusterM - 1) / kClusterM, fit);
     config.gridDim = dim3(static_cast<unsigned>(clusters * kClusterM));
     return Check(cudaLaunchKernelEx(&config, kernel, c));
