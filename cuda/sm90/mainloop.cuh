@@ -79,7 +79,8 @@ using GemmSmemOf =
 //
 // In clusters of kClusterM = 2 (ScheduleUnit), a tile that shares B (shared_b) loads its
 // rank's half of B's k-tile (kSwiGLU: rank 0 the w_gate columns, rank 1 the w_up ones)
-// multicast to both CTAs, whose stages then take in the same bytes as alone; an absent tile
+// multicast to both CTAs, whose stages then take in the same bytes as alone; a tile that
+// shares A (shared_a) takes its A from rank 0's load, multicast to both; an absent tile
 // loads nothing but still completes each stage's phase. Every CTA's `empty` barriers count the
 // consumers of both (MmaSteps), so both producers refill a stage only once both have read it.
 template <class Kind, int kClusterM = 1, class Smem>
@@ -110,6 +111,7 @@ __device__ __forceinline__ void LoadTile(const GemmParams& p, const GemmTile& ti
     return;
   }
   const bool shared_b = kClusterM > 1 && tile.shared_b;
+  const bool shared_a = kClusterM > 1 && tile.shared_a;
   constexpr uint16_t kBoth = 0x3;
   for (int kt = 0; kt < tile.num_k; ++kt, ++it) {
     const int s = it % Kind::kStages;
@@ -118,7 +120,9 @@ __device__ __forceinline__ void LoadTile(const GemmParams& p, const GemmTile& ti
     BarrierWait(&smem.empty[s], (round & 1) ^ 1);  // the first round finds every stage free
     BarrierArriveExpectTx(&smem.full[s], stage_bytes);
     if constexpr (Kind::kKMajorA) {
-      TmaLoad2d(smem.a[s], a_map, &smem.full[s], kk, static_cast<int32_t>(tile.m0));
+      const auto m0 = static_cast<int32_t>(tile.m0);
+      if (!shared_a) TmaLoad2d(smem.a[s], a_map, &smem.full[s], kk, m0);
+      else if (rank == 0) TmaLoad2d(smem.a[s], a_map, &smem.full[s], kk, m0, kBoth);
     } else {
       // The tile's kBlockM / 64 panels of A in one box (m0 is a multiple of kBlockM).
       TmaLoad3d(smem.a[s], &p.a, &smem.full[s], 0, static_cast<int32_t>(tile.k_begin + kk),

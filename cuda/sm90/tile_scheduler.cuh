@@ -30,6 +30,9 @@ struct GemmTile {
   // each loading half of it for both.
   bool absent;
   bool shared_b;
+  // Clusters of two, two column tiles of one row tile: both CTAs' A is the same k-tiles, which
+  // rank 0 loads for both.
+  bool shared_a;
   // Half and narrow tiles are split (MmaTileSplit): a warpgroup multiplies 64 x 128.
   __host__ __device__ bool split() const { return half || narrow; }
 };
@@ -144,6 +147,7 @@ __device__ __forceinline__ GemmTile BlankTile() {
   t.narrow = false;
   t.absent = false;
   t.shared_b = false;
+  t.shared_a = false;
   t.k_begin = 0;
   t.group = 0;
   return t;
@@ -202,7 +206,8 @@ __device__ __forceinline__ GemmTile ScheduleTile(const GemmParams& p, const int3
 // take each: a pair of row tiles 2q, 2q + 1 of one group and one column tile, whose B (the
 // group's weights) each CTA loads half of for both (TMA multicast), so that L2 serves B once
 // for two row tiles; or, for a group's last row tile when it has an odd number, two of its
-// column tiles side by side, which share nothing (rank 1 has none past the last column).
+// column tiles side by side, whose A (the same rows) rank 0 loads for both (rank 1 has none
+// past the last column, and then rank 0 loads its A alone).
 // Within a group the pairs come first, in bands of raster_rows / 2 pairs as ScheduleTile's
 // row tiles, then the odd row tile's units.
 //
@@ -255,6 +260,7 @@ __device__ __forceinline__ GemmTile ScheduleUnit(const GemmParams& p, const int3
     const int col = 2 * static_cast<int>(local - pairs * p.n_tiles) + rank;
     PlaceRowTile<kBlockK, kTileCols>(p, offsets, first, rows - 1, min(col, p.n_tiles - 1), t);
     t.absent = col >= p.n_tiles;
+    t.shared_a = (col | 1) < p.n_tiles;  // the unit's second column tile exists
   }
   return t;
 }
