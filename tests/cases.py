@@ -252,8 +252,12 @@ def cuda_digests() -> dict:
   """sha256 of every output of the CUDA backend on one case (a shared expert, tails of every
   tile), for each block_m: {str(block_m): {"fwd": [{"y"}] * REPLAYS, "grad": [{"loss", "y",
   "x", "weights", ...}] * REPLAYS}}, "fwd" from a jitted forward and "grad" from a jitted
-  value_and_grad, each executable called REPLAYS times."""
-  case = make_case(2048, 512, 256, 64, 6, Is=128, dtype=BF16, seed=7)
+  value_and_grad, each executable called REPLAYS times.
+
+  About 128 routed rows an expert, so that experts end on odd and even row tiles alike at
+  either block_m; gate|up 640 columns (three column tiles, the last narrow) and down 384 (two,
+  the second narrow): in clusters of two, column pairs with and without a second tile."""
+  case = make_case(2048, 384, 320, 96, 6, Is=128, dtype=BF16, seed=7)
   out = {}
   for block_m in ops.CUDA_BLOCK_MS:
     config = mok_jax.Config(block_m=block_m)
