@@ -28,6 +28,8 @@ def test_measure_prints_bits_and_walls():
     walls = {f[3]: float(f[4]) for f in first if f[2] == kind}
     assert set(walls) == {"fwd", "fwd+bwd"} and all(w > 0 for w in walls.values()), kind
   assert bits == [f for f in second if f[2] == "bits"]
+  for kind in ("span", "kernels", "b2b-span", "b2b-kernels"):
+    assert sorted(f[3] for f in first if f[2] == kind) == ["fwd", "fwd+bwd"], kind
 
 
 def test_measure_times_the_modes_asked():

@@ -4,7 +4,10 @@ synchronisation at a time and back to back (two calls in flight, with the SM clo
 meanwhile, which a power limit lowers: compare builds at like clocks), as the bench times them; and
 for each of the two the GPU time of each kernel and a call's span on the GPU, its first
 kernel's start to its last one's end (jax.profiler, five calls; the span less the kernels'
-time is the GPU idle inside a call; XLA runs without command buffers while profiling).
+time is the GPU idle inside a call; XLA runs without command buffers while profiling), then the
+same of calls profiled back to back (`b2b-span`, `b2b-kernels`: about 0.3 s of calls, 5 to 100,
+two in flight; a call's span is then the run's over the calls), which shows which kernels slow
+down at the power limit and whether the GPU idles between calls.
 Usage: python tools/ab/measure.py NAME SHAPES [MODES] (bench shapes, or tiny; the modes timed,
 fwd,fwd+bwd by default: one of them takes half the time); MOK_AB_BACKEND (default cuda) picks
 the backend, e.g. xla for a smoke run on a CPU."""
@@ -34,18 +37,30 @@ from mok_jax.bench import timing
 CALL_GAP_US = 50.0
 
 
-def kernel_ms(f, args, tag, calls=5):
+def kernel_ms(f, args, tag, calls=5, in_flight=0):
   """(GPU ms per call of each kernel of f(*args), summed over its launches; the median span
-  of a call on the GPU, its first kernel's start to its last one's end, in ms)."""
+  of a call on the GPU, its first kernel's start to its last one's end, in ms). With
+  in_flight > 0 the calls go back to back, at most in_flight on the device as the b2b timing
+  has them, and a call's span is the whole run's (first kernel's start to last one's end)
+  over the calls."""
   path = f"/tmp/ab_trace_{tag}"
   with jax.profiler.trace(path):
+    pending = collections.deque()
     for _ in range(calls):
-      jax.block_until_ready(f(*args))
+      if in_flight and len(pending) == in_flight:
+        jax.block_until_ready(pending.popleft())
+      pending.append(f(*args))
+      if not in_flight:
+        jax.block_until_ready(pending.popleft())
+    jax.block_until_ready(list(pending))
   _, kernels = trace_events(path)
   total = collections.Counter()
   for e in kernels:
     total[e["name"]] += e["dur"] / calls / 1e3
-  spans = call_spans(sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels))
+  launches = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels)
+  if in_flight and launches:
+    return total, (max(end for _, end in launches) - launches[0][0]) / calls / 1e3
+  spans = call_spans(launches)
   return total, float(np.median(spans)) / 1e3 if spans else 0.0
 
 
@@ -140,6 +155,7 @@ def main(argv):
     print(f"{name} {shape_name} bits {bits}", flush=True)
     del y, grads
     timed = [(m, f) for m, f in (("fwd", f_fwd), ("fwd+bwd", f_step)) if m in modes]
+    b2b_ms = {}
     for mode, f in timed:
       seconds, _ = timing.repeat(timing.wall_clock(lambda i, f=f: f(*args), jax.block_until_ready),
                                  n_sets=1, warmup=3, warmup_s=1.0, reps=30, min_reps=30,
@@ -152,19 +168,22 @@ def main(argv):
         seconds, _ = timing.batched(lambda i, f=f: f(*args), jax.block_until_ready, n_sets=1,
                                     warmup_s=0.5, reps=10, min_reps=5, budget_s=10.0,
                                     max_in_flight=2)
-      median = timing.summarize(seconds)["median"]
+      median = b2b_ms[mode] = timing.summarize(seconds)["median"]
       clock = (f" at {gpu['b2b']['sm_mhz']:.0f} MHz, {gpu['b2b']['power_w']:.0f} W"
                if gpu else "")
       print(f"{name} {shape_name} b2b {mode} {median:.3f} ms{clock}", flush=True)
     for mode, f in timed:
-      kernels = collections.Counter()
-      per_kernel, span = kernel_ms(f, args, f"{name}_{shape_name}_{mode}")
-      for kernel, ms in per_kernel.items():
-        kernels[short(kernel)] += ms
-      print(f"{name} {shape_name} span {mode} {span:.3f} ms, kernels "
-            f"{sum(kernels.values()):.3f} ms", flush=True)
-      print(f"{name} {shape_name} kernels {mode} ms " + " ".join(
-          f"{k}={v:.3f}" for k, v in kernels.most_common(8)), flush=True)
+      for label, calls, in_flight in (("", 5, 0),
+                                      ("b2b-", max(5, min(100, round(300 / b2b_ms[mode]))), 2)):
+        kernels = collections.Counter()
+        per_kernel, span = kernel_ms(f, args, f"{name}_{shape_name}_{mode}_{label}", calls,
+                                     in_flight)
+        for kernel, ms in per_kernel.items():
+          kernels[short(kernel)] += ms
+        print(f"{name} {shape_name} {label}span {mode} {span:.3f} ms, kernels "
+              f"{sum(kernels.values()):.3f} ms", flush=True)
+        print(f"{name} {shape_name} {label}kernels {mode} ms " + " ".join(
+            f"{k}={v:.3f}" for k, v in kernels.most_common(8)), flush=True)
 
 
 if __name__ == "__main__":
