@@ -120,9 +120,8 @@ const char* LaunchGemmKernel(void (*kernel)(Params...), size_t smem, int64_t cta
 // groups average at most kClusterRows rows (routed rows with their padding bound, R / E). Few
 // row tiles a group: its weights stream into one or two row tiles, and a pair that shares B
 // reads them from L2 once (a group's odd row tile goes as two column tiles side by side, which
-// share nothing but their time). Many: a band of eight row tiles already shares B through L2,
-// and the pairs' lockstep costs more than the bytes save. MOK_GEMM_CLUSTER=1 or 2 forces
-// either.
+// share its rows of A). Many: a band of eight row tiles already shares B through L2, and the
+// pairs' lockstep costs more than the bytes save. MOK_GEMM_CLUSTER=1 or 2 forces either.
 //
 // NOTES: tools/ab, one H200, 2026-11-30 12:25-12:33 UTC, same bits, one CTA a tile -> clusters
 // on every launch (GPU ms of the forward-MLP launch at full clock; a forward back to back at
