@@ -228,9 +228,12 @@ const char* LaunchQueued(const ChainParams& c, cudaStream_t stream) {
   if (tiles == 0) return nullptr;
   int sms = 0;
   if (auto err = SmCount(&sms)) return err;
-  // A unit of two tiles holds at least one: `tiles` bounds the units too.
-  if (Kind0::kSched == Schedule::kRowsByGroup && UseClusters(c))
-    return LaunchChain<Kind0, Kind1, kMaxChain, 2>(c, std::min<int64_t>(tiles, sms), stream);
+  // A unit of two tiles holds at least one: `tiles` bounds the units too. Only row-grouped
+  // GEMMs run in clusters (a weight-gradient chain launched alone would not compile else).
+  if constexpr (Kind0::kSched == Schedule::kRowsByGroup) {
+    if (UseClusters(c))
+      return LaunchChain<Kind0, Kind1, kMaxChain, 2>(c, std::min<int64_t>(tiles, sms), stream);
+  }
   return LaunchChain<Kind0, Kind1, kMaxChain>(c, std::min<int64_t>(tiles, sms), stream);
 }
 
