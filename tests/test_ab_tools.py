@@ -88,3 +88,23 @@ def test_host_timeline_lists_host_events():
   assert 0 < len(rows) <= 30 and all(float(us) >= 0 and x.startswith("x") for us, x, _ in rows)
   assert any("PjitFunction" in name for _, _, name in rows), rows
   assert out[-1] == "no GPU kernels in the trace"  # a CPU run
+
+
+def test_digest_follows_every_bit_and_position():
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  digest = _measure().digest
+  rng = np.random.default_rng(0)
+  for dtype in (jnp.bfloat16, jnp.float32):
+    a = jnp.asarray(rng.standard_normal((64, 48)), dtype)
+    d = digest(a)
+    assert len(d) == 10 and d == digest(jnp.array(a))
+    changed = {d}
+    for flat, bit in ((0, 0), (1000, 7), (3071, a.dtype.itemsize * 8 - 1)):
+      bits = np.asarray(a).view(np.uint16 if a.dtype.itemsize == 2 else np.uint32).copy()
+      bits.reshape(-1)[flat] ^= 1 << bit
+      changed.add(digest(jnp.asarray(bits.view(np.asarray(a).dtype))))
+    swapped = np.asarray(a).copy()
+    swapped[[0, 1]] = swapped[[1, 0]]
+    changed.add(digest(jnp.asarray(swapped)))
+    assert len(changed) == 5, dtype

@@ -1,9 +1,9 @@
-"""One build's figures for tools/ab/run.sh: per bench shape, the bits of y and every gradient
-(sha1); the wall-clock medians of the forward and of forward+backward, a call and a
-synchronisation at a time and back to back (two calls in flight, with the SM clock and power
-meanwhile, which a power limit lowers: compare builds at like clocks), as the bench times them; and
-for each of the two the GPU time of each kernel and a call's span on the GPU, its first
-kernel's start to its last one's end (jax.profiler, five calls; the span less the kernels'
+"""One build's figures for tools/ab/run.sh: per bench shape, the bits of y and every gradient (a
+fingerprint, `digest`); the wall-clock medians of the forward and of forward+backward, a call
+and a synchronisation at a time and back to back (two calls in flight, with the SM clock and
+power meanwhile, which a power limit lowers: compare builds at like clocks), as the bench times
+them; and for each of the two the GPU time of each kernel and a call's span on the GPU, its
+first kernel's start to its last one's end (jax.profiler, five calls; the span less the kernels'
 time is the GPU idle inside a call; XLA runs without command buffers while profiling), then the
 same of calls profiled back to back (`b2b-span`, `b2b-kernels`: about 0.3 s of calls, 5 to 100,
 two in flight; a call's span is then the run's over the calls), which shows which kernels slow
@@ -15,7 +15,6 @@ the backend, e.g. xla for a smoke run on a CPU."""
 import collections
 import glob
 import gzip
-import hashlib
 import json
 import os
 import re
@@ -97,8 +96,35 @@ def call_spans(launches, gap_us=CALL_GAP_US):
   return spans
 
 
+def _fmix32(h):
+  """MurmurHash3's finaliser: every input bit moves about half of the output bits."""
+  h = h ^ (h >> 16)
+  h = h * jnp.uint32(0x85EBCA6B)
+  h = h ^ (h >> 13)
+  h = h * jnp.uint32(0xC2B2AE35)
+  return h ^ (h >> 16)
+
+
+@jax.jit
+def _fingerprint(a):
+  """Two 32-bit sums over a's elements of a mix of each element's bits with its position,
+  modulo 2^32: integer sums, so the same whatever order the device adds them in."""
+  width = {2: jnp.uint16, 4: jnp.uint32}[a.dtype.itemsize]
+  words = jax.lax.bitcast_convert_type(a.reshape(-1), width).astype(jnp.uint32)
+  at = jax.lax.iota(jnp.uint32, words.size)
+  first = jnp.sum(_fmix32(words ^ _fmix32(at)), dtype=jnp.uint32)
+  second = jnp.sum(_fmix32(words + _fmix32(at ^ jnp.uint32(0x9E3779B9))), dtype=jnp.uint32)
+  return jnp.stack([first, second])
+
+
 def digest(a) -> str:
-  return hashlib.sha1(np.asarray(a.astype(jnp.float32)).tobytes()).hexdigest()[:10]
+  """Ten hex digits of a fingerprint of a's bits, computed where a lives.
+
+  NOTES: it was a sha1 of an f32 copy on the host, which for dsv3 moved its weight gradients,
+  45 GB as f32, through the host and one CPU core each run (how long that took was not timed
+  apart)."""
+  first, second = (int(v) for v in np.asarray(_fingerprint(a)))
+  return f"{first:08x}{second:08x}"[:10]
 
 
 def short(kernel):
