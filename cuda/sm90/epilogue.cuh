@@ -363,6 +363,90 @@ __device__ __forceinline__ void StoreTileTma(const GemmParams& p, const GemmTile
   }
 }
 
+// A tail tile's tail (kTail; TailMma): warpgroup wg's two transposed 64 x kTailRows panels,
+// rounded to bf16 and stored a value at a time (kTailRows rows, a few KB a tile). The padding
+// rows after the tail, up to m_end, then get zeros (ZeroTailPadding) in every output of the
+// tile's columns, as the padding rows of a tile that multiplies them (zero rows of A) would:
+// the backward reads gu and h of padding rows, and multiplies them by zero.
+template <class Kind, class TailAcc>
+__device__ __forceinline__ void StoreTail(const GemmParams& p, const GemmTile& tile, int thread,
+                                          const TailAcc& acc0, const TailAcc& acc1) {
+  using C = GemmConfig;
+  const int wg = thread / 128, wg_thread = thread % 128;
+  // This thread's values: tail rows c0 + AccColStep(v) + v % 2, panel columns r0 +
+  // AccRowStep(v); one base per output and compile-time steps from it.
+  const int64_t row0 = tile.m0 + C::kBlockM + AccCol(wg_thread);
+  const int r0 = AccRow(wg_thread);
+  auto* out0 = static_cast<__nv_bfloat16*>(p.out0);
+  auto* out1 = static_cast<__nv_bfloat16*>(p.out1);
+  if constexpr (Kind::kEpi == Epilogue::kSwiGLU) {
+    // gu = [g | u] (null: not kept), h = silu(g) * u from the f32 values.
+    const int c0 = tile.n_tile * (C::kBlockN / 2) + 64 * wg + r0;
+    const int64_t pitch = p.n;
+    __nv_bfloat16* h = out1 + row0 * pitch + c0;
+    __nv_bfloat16* gu = out0 ? out0 + row0 * 2 * pitch + c0 : nullptr;
+    CUTE_UNROLL
+    for (int v = 0; v < 8; ++v) {
+      if (c0 + AccRowStep(v) >= p.n) continue;
+      const int64_t at = (AccColStep(v) + v % 2) * pitch + AccRowStep(v);
+      const float g = acc0(v), u = acc1(v);
+      if (gu) {
+        gu[2 * at - AccRowStep(v)] = __float2bfloat16_rn(g);
+        gu[2 * at - AccRowStep(v) + pitch] = __float2bfloat16_rn(u);
+      }
+      h[at] = __float2bfloat16_rn(Silu(g) * u);
+    }
+  } else {
+    static_assert(Kind::kEpi == Epilogue::kStore);
+    const int64_t pitch = p.n_split;
+    CUTE_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      // Panels never straddle n_split (a multiple of 64).
+      const int c0 = tile.n_tile * C::kBlockN + 64 * (wg + 2 * half) + r0;
+      if (c0 - r0 >= p.n) continue;
+      __nv_bfloat16* out = c0 < p.n_split ? out0 + row0 * pitch + c0
+                                          : out1 + row0 * pitch + (c0 - p.n_split);
+      CUTE_UNROLL
+      for (int v = 0; v < 8; ++v) {
+        out[(AccColStep(v) + v % 2) * pitch + AccRowStep(v)] =
+            __float2bfloat16_rn(half ? acc1(v) : acc0(v));
+      }
+    }
+  }
+}
+
+// After a tail tile's other stores (StoreTail): zeros, 16 bytes a store, over both
+// warpgroups, in rows [m0 + kBlockM + kTailRows, m_end) of the tile's chunks of 8 columns
+// (kSwiGLU: of h, and of g and u in gu).
+template <class Kind>
+__device__ __forceinline__ void ZeroTailPadding(const GemmParams& p, const GemmTile& tile,
+                                                int thread) {
+  using C = GemmConfig;
+  auto* out0 = static_cast<__nv_bfloat16*>(p.out0);
+  auto* out1 = static_cast<__nv_bfloat16*>(p.out1);
+  const int64_t zero0 = tile.m0 + C::kBlockM + kTailRows;
+  constexpr int kChunks = (Kind::kEpi == Epilogue::kSwiGLU ? C::kBlockN / 2 : C::kBlockN) / 8;
+  const int cells = static_cast<int>(tile.m_end - zero0) * kChunks;  // under 128 rows' worth
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  for (int i = thread; i < cells; i += 128 * C::kConsumerWarpgroups) {
+    const int64_t row = zero0 + i / kChunks;
+    const int chunk = i % kChunks;
+    if constexpr (Kind::kEpi == Epilogue::kSwiGLU) {
+      const int64_t c = int64_t{tile.n_tile} * (C::kBlockN / 2) + 8 * chunk;
+      if (c >= p.n) continue;
+      if (out0) {
+        StoreGlobal128(out0 + row * 2 * p.n + c, zero);
+        StoreGlobal128(out0 + row * 2 * p.n + p.n + c, zero);
+      }
+      StoreGlobal128(out1 + row * p.n + c, zero);
+    } else {
+      const int64_t c = int64_t{tile.n_tile} * C::kBlockN + 8 * chunk;
+      if (c < p.n_split) StoreGlobal128(out0 + row * p.n_split + c, zero);
+      else if (c < p.n) StoreGlobal128(out1 + row * p.n_split + c - p.n_split, zero);
+    }
+  }
+}
+
 // thread: index among the 256 consumer threads; acc: its warpgroup's part of the tile.
 template <class Kind, class Smem, class Accum>
 __device__ __forceinline__ void StoreTile(const GemmParams& p, const GemmTile& tile,

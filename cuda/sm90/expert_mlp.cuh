@@ -17,6 +17,7 @@ struct ExpertMlp {
   const void* x_rows;
   const void *w_gate, *w_up, *w_down;
   const int32_t* offsets;
+  const int32_t* rows;  // with offsets: each row's route, -1 for padding (tails); or null
   int block_m;
   int groups;
   int64_t m, H, I;

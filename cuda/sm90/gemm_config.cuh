@@ -93,7 +93,21 @@ struct GemmKind {
                 "K-major stages are 128-byte swizzled rows: 64 deep");
   static constexpr uint32_t kStageBytes =
       (GemmConfig::kBlockM + GemmConfig::kBlockN) * kBlockK * sizeof(__nv_bfloat16);
+  // The forward's expert GEMMs take a group's last few rows (its tail, at most kTailRows past a
+  // multiple of 128) into its last full row tile instead of a half tile of their own: the
+  // stage holds them beside A and they multiply the B already there (MmaTile).
+  static constexpr bool kTail = kSched_ == Schedule::kRowsByGroup && kKMajorA && !kKMajorB &&
+                                (kEpi_ == Epilogue::kSwiGLU || kEpi_ == Epilogue::kStore);
 };
+
+// A group's tail that rides in its last full row tile: rows past the last multiple of 128, at
+// most this many (four stages of them fit beside the forward's 192 KB of stages).
+//
+// NOTES: a half tile (64 rows) streams all of its B for half of a full tile's MMAs, and in the
+// forward-MLP launch the bytes into shared memory are what bound it: on gptoss_120b's shape,
+// 256 routes an expert took the launch 2.40 ms, the bench's 256 +- 16 took 2.74 (H200,
+// 2026-11-30; docs/performance.md).
+constexpr int kTailRows = 16;
 
 // Host-built arguments of one grouped GEMM launch.
 struct GemmParams {
@@ -111,11 +125,13 @@ struct GemmParams {
   // group after group.
   CUtensorMap o0;
   CUtensorMap o1;
+  CUtensorMap a_tail;       // kTail: A in boxes of kTailRows rows
   const int32_t* offsets;   // (groups + 1) first routed row of each group, multiples of
                             // block_m; null: one group of m_total rows
   // kGroupedK with offsets: each routed row's token, -1 for the padding rows that end each
   // group (fewer than block_m): a group's reduction stops at its last used row, rounded up to
-  // kBlockK, instead of at the padded end. Null: the whole padded range.
+  // kBlockK, instead of at the padded end. Null: the whole padded range. kTail: the same rows
+  // say which groups end in a tail (null: none does).
   const int32_t* row_tokens;
   int block_m;              // kRowsByGroup with offsets: 128, or 64, when a group's last tile
                             // may be a half tile (its rows past 64 belong to the next group)

@@ -81,8 +81,8 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
                     Kind0::kSched == Kind1::kSched,
                 "the GEMMs of a chain share shared-memory layouts, MMA and schedule");
   static_assert(Kind0::kTmaStore == Kind1::kTmaStore && Kind0::kStages == Kind1::kStages &&
-                    Kind0::kBlockK == Kind1::kBlockK,
-                "the GEMMs of a chain share the pipeline and staging");
+                    Kind0::kBlockK == Kind1::kBlockK && Kind0::kTail == Kind1::kTail,
+                "the GEMMs of a chain share the pipeline, staging and tails");
   static_assert(kGemmSmemBytes<Kind0> <= 227 * 1024, "past an H100/H200 CTA's shared memory");
   static_assert(kClusterM == 1 || (kClusterM == 2 && Kind0::kSched == Schedule::kRowsByGroup),
                 "clusters of two row-grouped GEMM CTAs");
@@ -115,8 +115,15 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
     }
     CtaSync();
     if (kSched == Schedule::kRowsByGroup) {
+      // Tails: which groups end in one, from their used rows.
+      if (Kind0::kTail && row_tokens && !kProducer) {
+        UsedRowEnds(smem.offsets, row_tokens, groups, threadIdx.x / 32 - 4,
+                    kConsumerThreads / 32, threadIdx.x % 32, smem.used_end);
+        NamedBarrierSync(1, kConsumerThreads);
+      }
       if (!kProducer && threadIdx.x / 32 == 4) {
-        ScanGroupTiles(smem.offsets, groups, threadIdx.x % 32, smem.tile_start);
+        ScanGroupTiles(smem.offsets, Kind0::kTail && row_tokens ? smem.used_end : nullptr,
+                       groups, threadIdx.x % 32, smem.tile_start);
         if (kClusterM > 1) {
           __syncwarp();
           ScanGroupPairs(smem.tile_start, groups, threadIdx.x % 32, cs.pair_start);
@@ -190,15 +197,17 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
         const GemmParams& p = c.gemm[decltype(slot)::value];
         using Kind = SlotKind<Kind0, Kind1, decltype(slot)::value>;
         constexpr int kTileCols = Kind::kEpi == Epilogue::kSwiGLU ? C::kBlockN / 2 : C::kBlockN;
+        const int32_t* used_end =
+            (kSched == Schedule::kGroupedK || Kind::kTail) && p.offsets && p.row_tokens
+                ? smem.used_end : nullptr;
         if constexpr (kClusterM > 1) {
           return ScheduleUnit<Kind0::kBlockK, kTileCols>(
               p, p.offsets ? smem.offsets : nullptr, p.offsets ? tile_start : nullptr,
-              p.offsets ? cs.pair_start : nullptr, linear - cs.first_tile[decltype(slot)::value],
-              static_cast<int>(rank));
+              p.offsets ? cs.pair_start : nullptr, used_end,
+              linear - cs.first_tile[decltype(slot)::value], static_cast<int>(rank));
         }
         return ScheduleTile<kSched, Kind0::kBlockK, kTileCols>(
-            p, p.offsets ? smem.offsets : nullptr, p.offsets ? tile_start : nullptr,
-            kSched == Schedule::kGroupedK && p.offsets && p.row_tokens ? smem.used_end : nullptr,
+            p, p.offsets ? smem.offsets : nullptr, p.offsets ? tile_start : nullptr, used_end,
             linear - cs.first_tile[decltype(slot)::value]);
       };
       for (uint32_t j = 0;; ++j) {
@@ -272,15 +281,42 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
           if (thread == 0) AddRelease(c.ready + c.ready_base[kSlot] + tile.row_tile, 1);
         }
       };
+      // A tail tile's tail (kTail): its accumulators and its stores, before the tile is
+      // published.
+      typename TailLayouts<Kind0>::Accum tail_acc0, tail_acc1;
+      auto store_tail = [&](auto s) __attribute__((always_inline)) {
+        using Kind = SlotKind<Kind0, Kind1, decltype(s)::value>;
+        if constexpr (Kind::kTail) {
+          if (tile.tail) StoreTail<Kind>(c.gemm[decltype(s)::value], tile, thread, tail_acc0,
+                                         tail_acc1);
+        }
+      };
+      auto zero_tail = [&](auto s) __attribute__((always_inline)) {
+        using Kind = SlotKind<Kind0, Kind1, decltype(s)::value>;
+        if constexpr (Kind::kTail) {
+          if (tile.tail) ZeroTailPadding<Kind>(c.gemm[decltype(s)::value], tile, thread);
+        }
+      };
       if (!tile.split()) {
         auto acc = cute::partition_fragment_C(
             typename GemmLayouts<Kind0>::TiledMma{},
             cute::Shape<cute::Int<C::kBlockM>, cute::Int<C::kBlockN>>{});
-        MmaTile<Kind0, kClusterM>(tile, smem, thread, acc, it);
+        bool done = false;
+        if constexpr (Kind0::kTail) {
+          if (tile.tail) {
+            MmaTile<Kind0, kClusterM>(
+                tile, smem, thread, acc, it,
+                MakeTailMma<Kind0>(smem, wg, thread % 128, tail_acc0, tail_acc1));
+            done = true;
+          }
+        }
+        if (!done) MmaTile<Kind0, kClusterM>(tile, smem, thread, acc, it);
         WithSlot<kSlots>(i, [&](auto s) __attribute__((always_inline)) {
           constexpr int kSlot = decltype(s)::value;
+          store_tail(s);  // first: its accumulators' registers are free for StoreTile's
           StoreTile<SlotKind<Kind0, Kind1, kSlot>>(
               c.gemm[kSlot], tile, smem, thread, {tile.m0 + wg * kWarpgroupRows, 0}, acc);
+          zero_tail(s);
           publish(s);
         });
       } else if constexpr (kSched == Schedule::kRowsByGroup) {
@@ -291,17 +327,34 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
         auto acc = cute::partition_fragment_C(
             typename SplitLayouts<Kind0>::TiledMma{},
             cute::Shape<cute::Int<kWarpgroupRows>, cute::Int<C::kBlockN / 2>>{});
-        if (std::is_same_v<typename SplitLayouts<Kind0>::PartB,
-                           typename SplitLayouts<Kind1>::PartB> || i < 2) {
-          MmaTileSplit<Kind0, kClusterM>(tile, smem, thread % 128, a_block, part, acc, it);
-        } else {
-          MmaTileSplit<Kind1, kClusterM>(tile, smem, thread % 128, a_block, part, acc, it);
+        // A narrow tile may carry a tail; a half tile never does.
+        auto mma_split = [&](auto kind, auto extra) __attribute__((always_inline)) {
+          MmaTileSplit<decltype(kind), kClusterM>(tile, smem, thread % 128, a_block, part, acc,
+                                                  it, extra);
+        };
+        auto mma_kind = [&](auto extra) __attribute__((always_inline)) {
+          if (std::is_same_v<typename SplitLayouts<Kind0>::PartB,
+                             typename SplitLayouts<Kind1>::PartB> || i < 2) {
+            mma_split(Kind0{}, extra);
+          } else {
+            mma_split(Kind1{}, extra);
+          }
+        };
+        bool done = false;
+        if constexpr (Kind0::kTail) {
+          if (tile.tail) {
+            mma_kind(MakeTailMma<Kind0>(smem, wg, thread % 128, tail_acc0, tail_acc1));
+            done = true;
+          }
         }
+        if (!done) mma_kind(NoTail{});
         WithSlot<kSlots>(i, [&](auto s) __attribute__((always_inline)) {
           constexpr int kSlot = decltype(s)::value;
+          store_tail(s);
           StoreTile<SlotKind<Kind0, Kind1, kSlot>>(
               c.gemm[kSlot], tile, smem, thread,
               {tile.m0 + a_block * kWarpgroupRows, part}, acc);
+          zero_tail(s);
           publish(s);
         });
       }

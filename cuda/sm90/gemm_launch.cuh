@@ -77,6 +77,10 @@ const char* PrepareGemm(GemmParams& p, const Matrix& a, const Matrix& b0, const 
        (uses_b1 && !Describe(&p.b1_half, b1, Kind::kKMajorB, b_cols / 2, Kind::kBlockK)))) {
     return "cuTensorMapEncodeTiled refused a GEMM operand";
   }
+  if (Kind::kTail && p.offsets && p.row_tokens &&
+      !Describe(&p.a_tail, a, Kind::kKMajorA, kTailRows, Kind::kBlockK)) {
+    return "cuTensorMapEncodeTiled refused a GEMM operand";
+  }
   if constexpr (Kind::kTmaStore) {
     // One map over all groups' outputs, packed: group g's rows from g * m on.
     const int64_t rows = int64_t{p.groups} * p.m;

@@ -57,12 +57,15 @@ constexpr int kWarpgroupRows = GemmConfig::kBlockM / GemmConfig::kConsumerWarpgr
 constexpr int kStageCols = 64;
 constexpr int kTmaStoreCols = 32;
 
-template <int kStages, int kBlockK, int kStageElems>
+template <int kStages, int kBlockK, int kStageElems, int kTailElems>
 struct alignas(1024) GemmSmem {
   bf16_t a[kStages][GemmConfig::kBlockM * kBlockK];
   bf16_t b[kStages][GemmConfig::kBlockN * kBlockK];
   // Apart from the stages, which the producer is already filling with the next tile.
   bf16_t stage[GemmConfig::kConsumerWarpgroups][kStageElems];
+  // kTail: a tail tile's kTailRows rows of A for each stage (K-major, 1024-byte aligned after
+  // the kilobyte multiples above); a token 8 elements elsewhere.
+  bf16_t tail[kStages][kTailElems];
   int32_t offsets[GemmConfig::kMaxGroups + 1];     // the groups' first rows
   int32_t tile_start[GemmConfig::kMaxGroups + 1];  // kRowsByGroup: the groups' first tiles
   int32_t used_end[GemmConfig::kMaxGroups];        // kGroupedK: the groups' used rows' ends
@@ -72,7 +75,8 @@ struct alignas(1024) GemmSmem {
 template <class Kind>
 using GemmSmemOf =
     GemmSmem<Kind::kStages, Kind::kBlockK,
-             kWarpgroupRows * (Kind::kTmaStore ? GemmConfig::kBlockN : kStageCols)>;
+             kWarpgroupRows * (Kind::kTmaStore ? GemmConfig::kBlockN : kStageCols),
+             Kind::kTail ? kTailRows * Kind::kBlockK : 8>;
 
 // Producer: one thread issues every TMA of the tile. `it` counts the k-steps of all earlier
 // tiles of this CTA: the ring position and phase continue across tiles.
@@ -98,7 +102,10 @@ __device__ __forceinline__ void LoadTile(const GemmParams& p, const GemmTile& ti
   constexpr uint32_t kHalfB = C::kBlockN / 2 * Kind::kBlockK * sizeof(bf16_t);
   const bool half_a = Kind::kSched == Schedule::kRowsByGroup && tile.half;
   const bool half_b = Kind::kSched == Schedule::kRowsByGroup && tile.narrow;
-  const uint32_t stage_bytes = Kind::kStageBytes - (half_a ? kHalfA : 0) - (half_b ? kHalfB : 0);
+  constexpr uint32_t kTailBytes = kTailRows * Kind::kBlockK * sizeof(bf16_t);
+  const bool tail = Kind::kTail && tile.tail;
+  const uint32_t stage_bytes = Kind::kStageBytes - (half_a ? kHalfA : 0) -
+                               (half_b ? kHalfB : 0) + (tail ? kTailBytes : 0);
   const CUtensorMap* a_map = half_a ? &p.a_half : &p.a;
   const CUtensorMap* b0_map = half_b ? &p.b0_half : &p.b0;
   const CUtensorMap* b1_map = half_b ? &p.b1_half : &p.b1;
@@ -123,6 +130,14 @@ __device__ __forceinline__ void LoadTile(const GemmParams& p, const GemmTile& ti
       const auto m0 = static_cast<int32_t>(tile.m0);
       if (!shared_a) TmaLoad2d(smem.a[s], a_map, &smem.full[s], kk, m0);
       else if (rank == 0) TmaLoad2d(smem.a[s], a_map, &smem.full[s], kk, m0, kBoth);
+      if constexpr (Kind::kTail) {
+        // The tail's rows, after the tile's 128 (both CTAs' tiles, when they share A).
+        const int32_t t0 = m0 + C::kBlockM;
+        if (tail && !shared_a) TmaLoad2d(smem.tail[s], &p.a_tail, &smem.full[s], kk, t0);
+        else if (tail && rank == 0) {
+          TmaLoad2d(smem.tail[s], &p.a_tail, &smem.full[s], kk, t0, kBoth);
+        }
+      }
     } else {
       // The tile's kBlockM / 64 panels of A in one box (m0 is a multiple of kBlockM).
       TmaLoad3d(smem.a[s], &p.a, &smem.full[s], 0, static_cast<int32_t>(tile.k_begin + kk),
@@ -191,10 +206,19 @@ __device__ __forceinline__ void SkipSteps(Smem& smem, int num_k, int wg, bool re
   }
 }
 
-template <class Kind, int kClusterM, class Mma, class FragA, class FragB, class Smem, class Accum>
+// No tail: MmaSteps' `extra`.
+struct NoTail {
+  __device__ __forceinline__ void fence() {}
+  __device__ __forceinline__ void step(int, bool) {}
+};
+
+// `extra` adds its own wgmmas on stage s to each k-step's batch (step(s, first)) and fences its
+// accumulators with acc's (fence()): a tail tile's (TailMma).
+template <class Kind, int kClusterM, class Mma, class FragA, class FragB, class Smem, class Accum,
+          class Extra = NoTail>
 __device__ __forceinline__ void MmaSteps(Mma& mma, const FragA& tCrA, const FragB& tCrB,
                                          Smem& smem, int num_k, bool releaser, Accum& acc,
-                                         uint32_t& it) {
+                                         uint32_t& it, Extra extra = {}) {
   using namespace cute;
   if (num_k == 0) {  // an empty group: its weight gradient is zero
     clear(acc);
@@ -206,29 +230,92 @@ __device__ __forceinline__ void MmaSteps(Mma& mma, const FragA& tCrA, const Frag
     const int s = it % Kind::kStages;
     BarrierWait(&smem.full[s], (it / Kind::kStages) & 1);
     warpgroup_fence_operand(acc);
+    extra.fence();
     warpgroup_arrive();
     CUTE_UNROLL
     for (int kb = 0; kb < size<2>(tCrA); ++kb) {
       gemm(mma, tCrA(_, _, kb, s), tCrB(_, _, kb, s), acc);
       mma.accumulate_ = GMMA::ScaleOut::One;
     }
+    extra.step(s, kt == 0);
     warpgroup_commit_batch();
     // Keep one k-step of wgmma in flight; the one before it has finished reading its stage.
     warpgroup_wait<1>();
     warpgroup_fence_operand(acc);
+    extra.fence();
     if (kt > 0 && releaser) ReleaseStage<kClusterM>(&smem.empty[previous]);
     previous = s;
   }
   warpgroup_wait<0>();
   warpgroup_fence_operand(acc);
+  extra.fence();
   if (releaser) ReleaseStage<kClusterM>(&smem.empty[previous]);  // may be refilled now
+}
+
+// A tail tile's extra MMAs for one consumer warpgroup (kTail): the tail's kTailRows rows times
+// two 64-column panels of the stage's B, computed transposed, as wgmma m64n16k16 with the
+// panel (MN-major, as it lies) for A and the tail rows (K-major) for B, so that no wgmma runs
+// on 64 rows of which kTailRows are used. Warpgroup w takes panels w and w + 2: for kSwiGLU a
+// column's gate (panels 0-1) and up (2-3) then sit in the same thread and register, acc0 and
+// acc1. acc0(v), acc1(v): panel column AccRow + AccRowStep(v), tail row AccCol + AccColStep(v)
+// + v % 2.
+template <class Kind>
+struct TailLayouts {
+  using TiledMma = decltype(cute::make_tiled_mma(
+      cute::SM90_64x16x16_F32BF16BF16_SS<cute::GMMA::Major::MN, cute::GMMA::Major::K>{}));
+  using Accum = decltype(cute::partition_fragment_C(
+      TiledMma{}, cute::Shape<cute::Int<64>, cute::Int<kTailRows>>{}));
+};
+
+template <class Kind, class FragA, class FragT>
+struct TailMma {
+  static_assert(!Kind::kKMajorB && kTailRows == 16, "m64n16 on an MN-major B panel");
+  typename TailLayouts<Kind>::TiledMma mma;
+  FragA a0, a1;  // (MMA, MMA_M, MMA_K, PIPE) of panels w and w + 2
+  FragT t;       // (MMA, MMA_N, MMA_K, PIPE)
+  typename TailLayouts<Kind>::Accum& acc0;
+  typename TailLayouts<Kind>::Accum& acc1;
+  __device__ __forceinline__ void fence() {
+    cute::warpgroup_fence_operand(acc0);
+    cute::warpgroup_fence_operand(acc1);
+  }
+  __device__ __forceinline__ void step(int s, bool first) {
+    using namespace cute;
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(t); ++kb) {
+      mma.accumulate_ = first && kb == 0 ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+      gemm(mma, a0(_, _, kb, s), t(_, _, kb, s), acc0);
+      gemm(mma, a1(_, _, kb, s), t(_, _, kb, s), acc1);
+    }
+  }
+};
+
+// The TailMma of warpgroup `wg` (thread `wg_thread` in it) over the stages of `smem`.
+template <class Kind, class Smem, class Accum>
+__device__ __forceinline__ auto MakeTailMma(Smem& smem, int wg, int wg_thread, Accum& acc0,
+                                            Accum& acc1) {
+  using namespace cute;
+  using L = GemmLayouts<Kind>;
+  using T = TailLayouts<Kind>;
+  using SmemT = StagedK<kTailRows, Kind::kBlockK, Kind::kStages>;
+  Tensor sB = make_tensor(make_smem_ptr(&smem.b[0][0]), typename L::SmemB{});  // (BN, BK, PIPE)
+  Tensor sT = make_tensor(make_smem_ptr(&smem.tail[0][0]), SmemT{});  // (16, BK, PIPE)
+  auto panel = [&](int p) {
+    return logical_divide(sB, make_tile(Layout<_64>{}))(make_coord(_, p), _, _);
+  };
+  typename T::TiledMma mma;
+  auto thr = mma.get_thread_slice(wg_thread);
+  auto a0 = thr.make_fragment_A(thr.partition_A(panel(wg)));
+  auto a1 = thr.make_fragment_A(thr.partition_A(panel(wg + 2)));
+  auto t = thr.make_fragment_B(thr.partition_B(sT));
+  return TailMma<Kind, decltype(a0), decltype(t)>{mma, a0, a1, t, acc0, acc1};
 }
 
 // Consumers: accumulate the (128, 256) tile; each warpgroup owns 64 rows of it. `thread` is the
 // index among the 256 consumer threads.
-template <class Kind, int kClusterM = 1, class Smem, class Accum>
+template <class Kind, int kClusterM = 1, class Smem, class Accum, class Extra = NoTail>
 __device__ __forceinline__ void MmaTile(const GemmTile& tile, Smem& smem, int thread,
-                                        Accum& acc, uint32_t& it) {
+                                        Accum& acc, uint32_t& it, Extra extra = {}) {
   using namespace cute;
   using L = GemmLayouts<Kind>;
   Tensor sA = make_tensor(make_smem_ptr(&smem.a[0][0]), typename L::SmemA{});  // (BM, BK, PIPE)
@@ -237,7 +324,8 @@ __device__ __forceinline__ void MmaTile(const GemmTile& tile, Smem& smem, int th
   auto thr = mma.get_thread_slice(thread);
   Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // (MMA, MMA_M, MMA_K, PIPE)
   Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));  // (MMA, MMA_N, MMA_K, PIPE)
-  MmaSteps<Kind, kClusterM>(mma, tCrA, tCrB, smem, tile.num_k, thread % 128 == 0, acc, it);
+  MmaSteps<Kind, kClusterM>(mma, tCrA, tCrB, smem, tile.num_k, thread % 128 == 0, acc, it,
+                            extra);
 }
 
 // A split tile, for tiles with at most 64 rows (half) or at most half of their columns (narrow)
@@ -259,9 +347,10 @@ struct SplitLayouts {
 };
 
 // `wg_thread`: the index in the warpgroup.
-template <class Kind, int kClusterM = 1, class Smem, class Accum>
+template <class Kind, int kClusterM = 1, class Smem, class Accum, class Extra = NoTail>
 __device__ __forceinline__ void MmaTileSplit(const GemmTile& tile, Smem& smem, int wg_thread,
-                                             int a_block, int part, Accum& acc, uint32_t& it) {
+                                             int a_block, int part, Accum& acc, uint32_t& it,
+                                             Extra extra = {}) {
   using namespace cute;
   using L = GemmLayouts<Kind>;
   using S = SplitLayouts<Kind>;
@@ -276,7 +365,8 @@ __device__ __forceinline__ void MmaTileSplit(const GemmTile& tile, Smem& smem, i
   auto thr = mma.get_thread_slice(wg_thread);
   Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA_part));
   Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB_part));
-  MmaSteps<Kind, kClusterM>(mma, tCrA, tCrB, smem, tile.num_k, wg_thread == 0, acc, it);
+  MmaSteps<Kind, kClusterM>(mma, tCrA, tCrB, smem, tile.num_k, wg_thread == 0, acc, it,
+                            extra);
 }
 
 }  // namespace mok::sm90

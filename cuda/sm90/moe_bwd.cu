@@ -129,9 +129,9 @@ const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
   const void* gu_shared = a.recompute ? a.gu_shared_scratch : a.gu_shared;
   if (a.recompute) {
     const sm90::ExpertMlp mlps[2] = {
-        {a.xs, a.w_gate, a.w_up, a.w_down, a.offsets, a.block_m, E, a.R, a.H, a.I,
+        {a.xs, a.w_gate, a.w_up, a.w_down, a.offsets, a.rows, a.block_m, E, a.R, a.H, a.I,
          a.gu_scratch, a.h, nullptr, -1},
-        {a.x, a.ws_gate, a.ws_up, a.ws_down, nullptr, 128, 1, a.T, a.H, a.Is,
+        {a.x, a.ws_gate, a.ws_up, a.ws_down, nullptr, nullptr, 128, 1, a.T, a.H, a.Is,
          a.gu_shared_scratch, a.h_shared, nullptr, -1}};
     if (auto err = sm90::LaunchExpertMlps(mlps, mlp_count, true, false, a.queue + 0, ready,
                                           stream))

@@ -86,9 +86,9 @@ const char* LaunchMoeFwd(const MoeFwdArgs& a, cudaStream_t stream) {
   // 3. Expert MLPs, routed and shared (one group of T rows read straight from x), in one
   // launch: gu (unless null: not kept) and h = silu(g) * u, then y = h @ w_down.
   sm90::ExpertMlp mlps[2] = {
-      {a.xs, a.w_gate, a.w_up, a.w_down, a.offsets, a.block_m, E, a.R, a.H, a.I, a.gu, a.h,
+      {a.xs, a.w_gate, a.w_up, a.w_down, a.offsets, a.rows, a.block_m, E, a.R, a.H, a.I, a.gu, a.h,
        a.y_routed, 0},
-      {a.x, a.ws_gate, a.ws_up, a.ws_down, nullptr, 128, 1, a.T, a.H, a.Is, a.gu_shared,
+      {a.x, a.ws_gate, a.ws_up, a.ws_down, nullptr, nullptr, 128, 1, a.T, a.H, a.Is, a.gu_shared,
        a.h_shared, a.y_shared, static_cast<int>(RoutedRowTilesBound(routes, a.E))}};
   const int count = (a.Is > 0 && !skip.shared) ? 2 : 1;
   if (auto err = sm90::LaunchExpertMlps(mlps, count, !skip.gemm1, !skip.gemm2, queue,

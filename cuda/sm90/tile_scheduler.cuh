@@ -33,6 +33,8 @@ struct GemmTile {
   // Clusters of two, two column tiles of one row tile: both CTAs' A is the same k-tiles, which
   // rank 0 loads for both.
   bool shared_a;
+  // kTail: the group's tail rows, [m0 + kBlockM, m0 + kBlockM + kTailRows), ride in this tile.
+  bool tail;
   // Half and narrow tiles are split (MmaTileSplit): a warpgroup multiplies 64 x 128.
   __host__ __device__ bool split() const { return half || narrow; }
 };
@@ -84,14 +86,34 @@ __device__ __forceinline__ void ScanGroups(int groups, int lane, Count count, in
   if (lane == 31) out[groups] = inclusive;
 }
 
+// Whether group g ends in a tail (kTail; used_end: UsedRowEnds): more than kBlockM used rows,
+// at most kTailRows of them past a multiple of kBlockM. Its last full row tile takes them.
+__device__ __forceinline__ bool EndsInTail(const int32_t* offsets, const int32_t* used_end,
+                                           int g) {
+  const int used = used_end[g] - offsets[g];
+  return used > GemmConfig::kBlockM && (used - 1) % GemmConfig::kBlockM < kTailRows;
+}
+
 // tile_start[g] = the first row tile of group g, when the kBlockM-row tiles of all groups are
 // numbered without gaps (a group of c rows has ceil(c / kBlockM) of them, the last a half tile
-// when c mod kBlockM = 64); tile_start[groups] = all of them. Run by one warp.
-__device__ __forceinline__ void ScanGroupTiles(const int32_t* offsets, int groups, int lane,
-                                               int32_t* tile_start) {
+// when c mod kBlockM = 64; one that ends in a tail, floor(used / kBlockM));
+// tile_start[groups] = all of them. With used_end (UsedRowEnds, kTail), which it then
+// overwrites with tail_row[g]: the row tile of group g that takes its tail, or -1. Run by one
+// warp.
+__device__ __forceinline__ void ScanGroupTiles(const int32_t* offsets, int32_t* used_end,
+                                               int groups, int lane, int32_t* tile_start) {
   constexpr int kM = GemmConfig::kBlockM;
-  ScanGroups(groups, lane, [&](int g) { return (offsets[g + 1] - offsets[g] + kM - 1) / kM; },
-             tile_start);
+  ScanGroups(groups, lane, [&](int g) {
+    if (used_end && EndsInTail(offsets, used_end, g)) return (used_end[g] - offsets[g]) / kM;
+    return (offsets[g + 1] - offsets[g] + kM - 1) / kM;
+  }, tile_start);
+  if (used_end) {
+    __syncwarp();
+    for (int g = lane; g < groups; g += 32) {
+      const bool tail = EndsInTail(offsets, used_end, g);
+      used_end[g] = tail ? (used_end[g] - offsets[g]) / kM - 1 : -1;
+    }
+  }
 }
 
 // used_end[g] = the end of group g's used rows (its first padding row, or its end): rows of
@@ -127,10 +149,13 @@ __device__ __forceinline__ RasterPos Raster(int64_t local, int64_t rows, int col
 
 // Row tile `row` (of the group's, whose first is tile `first` of all groups') and column tile
 // `col` of group t.group of a kRowsByGroup GEMM, into t.
+// tail_row: kTail's (ScanGroupTiles), or null.
 template <int kBlockK, int kTileCols>
 __device__ __forceinline__ void PlaceRowTile(const GemmParams& p, const int32_t* offsets,
-                                             int64_t first, int64_t row, int col, GemmTile& t) {
+                                             const int32_t* tail_row, int64_t first,
+                                             int64_t row, int col, GemmTile& t) {
   constexpr int kM = GemmConfig::kBlockM;
+  t.tail = tail_row && tail_row[t.group] == row;
   t.n_tile = col;
   t.row_tile = static_cast<int>(first + row);
   t.m0 = (offsets ? offsets[t.group] : 0) + row * kM;
@@ -148,6 +173,7 @@ __device__ __forceinline__ GemmTile BlankTile() {
   t.absent = false;
   t.shared_b = false;
   t.shared_a = false;
+  t.tail = false;
   t.k_begin = 0;
   t.group = 0;
   return t;
@@ -166,7 +192,8 @@ __device__ __forceinline__ int FindGroup(int groups, int64_t linear, First first
 }
 
 // offsets, tile_start: the groups' offsets and ScanGroupTiles in shared memory, or null (one
-// group); used_end (kGroupedK): UsedRowEnds in shared memory, or null (the padded ends).
+// group); used_end: kGroupedK's UsedRowEnds in shared memory (the reduction ends there), or
+// kTail's tail_row (ScanGroupTiles), or null (the padded ends; no tails).
 // `linear` < TileCount (the launch's queue hands out no other). kTileCols: the output columns
 // of a column tile (kSwiGLU: of h).
 template <Schedule kSched, int kBlockK, int kTileCols>
@@ -184,7 +211,7 @@ __device__ __forceinline__ GemmTile ScheduleTile(const GemmParams& p, const int3
       rows = tile_start[t.group + 1] - first;
     }
     const RasterPos pos = Raster(linear - first * p.n_tiles, rows, p.n_tiles, p.raster_rows);
-    PlaceRowTile<kBlockK, kTileCols>(p, offsets, first, pos.row, pos.col, t);
+    PlaceRowTile<kBlockK, kTileCols>(p, offsets, used_end, first, pos.row, pos.col, t);
   } else {
     const int64_t per_group = int64_t{p.m_tiles} * p.n_tiles;
     t.group = static_cast<int>(linear / per_group);
@@ -234,11 +261,12 @@ __device__ __forceinline__ int64_t UnitCount(const GemmParams& p, const int32_t*
   return UnitsBefore(rows, pairs, p.n_tiles);
 }
 
-// The tile of the CTA of rank `rank` in unit `linear` < UnitCount.
+// The tile of the CTA of rank `rank` in unit `linear` < UnitCount; tail_row as in ScheduleTile.
 template <int kBlockK, int kTileCols>
 __device__ __forceinline__ GemmTile ScheduleUnit(const GemmParams& p, const int32_t* offsets,
                                                  const int32_t* tile_start,
-                                                 const int32_t* pair_start, int64_t linear,
+                                                 const int32_t* pair_start,
+                                                 const int32_t* tail_row, int64_t linear,
                                                  int rank) {
   GemmTile t = BlankTile();
   int64_t first = 0, rows = (p.m_total + GemmConfig::kBlockM - 1) / GemmConfig::kBlockM;
@@ -254,11 +282,13 @@ __device__ __forceinline__ GemmTile ScheduleUnit(const GemmParams& p, const int3
   const int64_t pairs = rows / 2;
   if (local < pairs * p.n_tiles) {
     const RasterPos pos = Raster(local, pairs, p.n_tiles, max(1, p.raster_rows / 2));
-    PlaceRowTile<kBlockK, kTileCols>(p, offsets, first, 2 * pos.row + rank, pos.col, t);
+    PlaceRowTile<kBlockK, kTileCols>(p, offsets, tail_row, first, 2 * pos.row + rank, pos.col,
+                                     t);
     t.shared_b = !t.narrow;
   } else {
     const int col = 2 * static_cast<int>(local - pairs * p.n_tiles) + rank;
-    PlaceRowTile<kBlockK, kTileCols>(p, offsets, first, rows - 1, min(col, p.n_tiles - 1), t);
+    PlaceRowTile<kBlockK, kTileCols>(p, offsets, tail_row, first, rows - 1,
+                                     min(col, p.n_tiles - 1), t);
     t.absent = col >= p.n_tiles;
     t.shared_a = (col | 1) < p.n_tiles;  // the unit's second column tile exists
   }
