@@ -22,7 +22,12 @@ struct GemmConfig {
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
   // setmaxnreg: the producer needs few registers; consumers hold the accumulators. In clusters
-  // of two (ScheduleUnit) the producer's scheduling of units spilled at 40.
+  // of two (ScheduleUnit) the producer's scheduling of units spilled at 40. The two splits use
+  // all of the 168 x 384 registers the launch gives a CTA (64,512), which is all setmaxnreg
+  // can hand out: 48 and 232 (65,536) hung, the consumers waiting in setmaxnreg.inc.
+  //
+  // NOTES: with the forward's tails (kTail) the producer spills 16 bytes at 40 and the clustered
+  // consumers 60 bytes of stores at 224 (ptxas, 2026-11-30); measured so (docs/performance.md).
   static constexpr uint32_t kProducerRegs = 40;
   static constexpr uint32_t kConsumerRegs = 232;
   static constexpr uint32_t kClusterProducerRegs = 56;
