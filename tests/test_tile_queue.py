@@ -22,7 +22,8 @@ def routed_bound(T, k, E):
 
 
 def row_tiles(counts, block_m):
-  """Row tiles of 128 rows over experts whose rows are padded to block_m (ScanGroupTiles)."""
+  """Row tiles of 128 rows over experts whose rows are padded to block_m (ScanGroupTiles; the
+  forward's tails, kTail, only take tiles away)."""
   padded = [-(-c // block_m) * block_m for c in counts]
   return sum(-(-p // 128) for p in padded)
 
