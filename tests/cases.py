@@ -235,9 +235,13 @@ def per_block_m(params):
 
 
 # CUDA-graph capture of the custom calls (DESIGN.md, Testing), and XLA without command buffers.
+# Both with XLA's deterministic ops: without them the bits of `loss`, XLA's f32 sum of y * dy,
+# differed between processes whose y (and every gradient) had the same bits
+# (test_same_bits_in_clusters failed so in 1 of 3 runs at f5068e1 and 3 of 4 at 5ffc795; with
+# the flag it passed 4 of 4; one H200, 2026-11-30 18:06-18:09 UTC).
 COMMAND_BUFFER_FLAGS = ("--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL "
-                        "--xla_gpu_graph_min_graph_size=1")
-NO_COMMAND_BUFFER_FLAGS = "--xla_gpu_enable_command_buffer="
+                        "--xla_gpu_graph_min_graph_size=1 --xla_gpu_deterministic_ops=true")
+NO_COMMAND_BUFFER_FLAGS = "--xla_gpu_enable_command_buffer= --xla_gpu_deterministic_ops=true"
 # Calls of one executable: with command buffers on, the later ones replay the captured graph,
 # whose device counters must have been advanced by the kernels themselves.
 REPLAYS = 3
