@@ -222,6 +222,23 @@ def cuda_routing(name, T=700, E=8, k=3, seed=1):
   return ids
 
 
+# Routed rows an expert, (full 128-row tiles, rows past them): tails of 1-127 rows that ride in
+# the expert's last full row tiles, 16 a tile, where there are enough of them (kTail), and ones
+# that cannot (more tails than full tiles, or no full tile).
+TAIL_COUNTS = ((2, 17), (2, 32), (2, 33), (3, 40), (4, 64), (8, 127), (8, 100), (1, 16), (1, 17),
+               (2, 1), (5, 0), (0, 50), (6, 96), (3, 48))
+
+
+def tail_routing(k=4, seed=2):
+  """(T, k) int64 ids that give expert e exactly 128 f + r routes, (f, r) = TAIL_COUNTS[e], in
+  random order (an id may repeat in a token's row); the last token's spare slots are -1."""
+  counts = [128 * f + r for f, r in TAIL_COUNTS]
+  flat = np.repeat(np.arange(len(counts)), counts)
+  np.random.default_rng(seed).shuffle(flat)
+  T = -(-len(flat) // k)
+  return np.concatenate([flat, np.full(T * k - len(flat), -1)]).reshape(T, k)
+
+
 def per_block_m(params):
   """pytest params: each of `params` (a value or a tuple of values) followed by each block_m the
   CUDA kernel takes. The block_ms of one case come one after another, so a test can cache what
@@ -252,7 +269,7 @@ def digest(a) -> str:
   return hashlib.sha256(repr((a.dtype.str, a.shape)).encode() + a.tobytes()).hexdigest()
 
 
-def cuda_digests() -> dict:
+def cuda_digests(routing: str = "") -> dict:
   """sha256 of every output of the CUDA backend on one case (a shared expert, tails of every
   tile), for each block_m: {str(block_m): {"fwd": [{"y"}] * REPLAYS, "grad": [{"loss", "y",
   "x", "weights", ...}] * REPLAYS}}, "fwd" from a jitted forward and "grad" from a jitted
@@ -260,8 +277,14 @@ def cuda_digests() -> dict:
 
   About 128 routed rows an expert, so that experts end on odd and even row tiles alike at
   either block_m; gate|up 640 columns (three column tiles, the last narrow) and down 384 (two,
-  the second narrow): in clusters of two, column pairs with and without a second tile."""
-  case = make_case(2048, 384, 320, 96, 6, Is=128, dtype=BF16, seed=7)
+  the second narrow): in clusters of two, column pairs with and without a second tile.
+  routing "tails": the same layer routed by tail_routing() instead."""
+  if routing == "tails":
+    ids = tail_routing()
+    case = make_case(len(ids), 384, 320, 96, ids.shape[1], Is=128, dtype=BF16, seed=7,
+                     experts=ids)
+  else:
+    case = make_case(2048, 384, 320, 96, 6, Is=128, dtype=BF16, seed=7)
   out = {}
   for block_m in ops.CUDA_BLOCK_MS:
     config = mok_jax.Config(block_m=block_m)
@@ -279,20 +302,24 @@ def cuda_digests() -> dict:
 
 
 @functools.cache
-def cuda_digests_with(xla_flags: str, clusters: str = "") -> dict:
-  """cuda_digests() in a fresh process with XLA_FLAGS=xla_flags (XLA reads them once, when JAX
-  starts its backends) and, if given, MOK_GEMM_CLUSTER=clusters ("1": one CTA a tile, "2":
-  clusters of two in every row-grouped launch; read once per process); one process per
-  arguments for the forward and the backward tests."""
+def cuda_digests_with(xla_flags: str, clusters: str = "", tails: str = "",
+                      routing: str = "") -> dict:
+  """cuda_digests(routing) in a fresh process with XLA_FLAGS=xla_flags (XLA reads them once,
+  when JAX starts its backends) and, if given, MOK_GEMM_CLUSTER=clusters ("1": one CTA a tile,
+  "2": clusters of two in every row-grouped launch) and MOK_GEMM_TAILS=tails (the most row
+  tiles an expert's tail rides in), each read once per process; one process per arguments for
+  the forward and the backward tests."""
   env = dict(os.environ, XLA_FLAGS=xla_flags)
-  env.pop("MOK_GEMM_CLUSTER", None)
-  if clusters:
-    env["MOK_GEMM_CLUSTER"] = clusters
+  for name, value in (("MOK_GEMM_CLUSTER", clusters), ("MOK_GEMM_TAILS", tails)):
+    env.pop(name, None)
+    if value:
+      env[name] = value
   here = os.path.dirname(os.path.abspath(__file__))  # for `import cases`
-  done = subprocess.run(
-      [sys.executable, "-c", "import json, cases; print(json.dumps(cases.cuda_digests()))"],
-      env=env, cwd=here, capture_output=True, text=True, timeout=600)
-  assert done.returncode == 0, f"XLA_FLAGS={xla_flags} {clusters}: {done.stderr[-4000:]}"
+  code = f"import json, cases; print(json.dumps(cases.cuda_digests({routing!r})))"
+  done = subprocess.run([sys.executable, "-c", code], env=env, cwd=here, capture_output=True,
+                        text=True, timeout=600)
+  assert done.returncode == 0, (f"XLA_FLAGS={xla_flags} {clusters} {tails} {routing}: "
+                                f"{done.stderr[-4000:]}")
   return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -17,7 +17,8 @@ from mok_jax import ops
 import oracle
 from cases import (BF16, BF16_GRAD_RTOL, COMMAND_BUFFER_FLAGS, CUDA_SHAPES, GRAD_NAMES,
                    NO_COMMAND_BUFFER_FLAGS, REPLAYS, assert_close, bits, cuda_digests_with,
-                   cuda_routing, loss_and_grads, make_case, oracle_grads_dict, per_block_m)
+                   cuda_routing, loss_and_grads, make_case, oracle_grads_dict, per_block_m,
+                   tail_routing)
 
 pytestmark = pytest.mark.gpu
 
@@ -36,8 +37,12 @@ def cosine(a, b):
 @functools.lru_cache(maxsize=1)  # per_block_m runs the block_ms of a case one after another
 def expected(T, H, I, E, k, Is, seed, routing=None):
   """(case, the oracle's gradients, the XLA backend's): what the kernel must match for any
-  block_m. routing: a name of cases.cuda_routing, or None for distinct random experts."""
-  experts = None if routing is None else cuda_routing(routing, T, E, k, seed=2)
+  block_m. routing: a name of cases.cuda_routing, the (T, k) int64 ids' bytes, or None for
+  distinct random experts."""
+  if isinstance(routing, bytes):  # ids as bytes (a hashable cache key)
+    experts = np.frombuffer(routing, np.int64).reshape(T, k)
+  else:
+    experts = None if routing is None else cuda_routing(routing, T, E, k, seed=2)
   case = make_case(T, H, I, E, k, Is=Is, dtype=BF16, seed=seed, experts=experts)
   want = oracle_grads_dict(oracle.moe_grads(case.dy, *case.args(), case.shared, round_to=BF16))
   return case, want, loss_and_grads(case, "xla")[1]
@@ -72,6 +77,37 @@ def test_adversarial_routing(name, block_m):
     unused = [e for e in range(E) if not (ids == e).any()]
     for e in unused:  # empty experts get exactly zero weight gradients
       assert not np.any(got["w_gate"][e]) and not np.any(got["w_down"][e])
+
+
+@pytest.mark.parametrize("block_m", ops.CUDA_BLOCK_MS)
+def test_gradients_with_spread_tails(block_m):
+  """Every gradient, saved and recomputed gu alike (the recompute runs the forward's gate|up
+  with its tails), on experts whose last rows ride in their full row tiles (cases.TAIL_COUNTS)."""
+  ids = tail_routing(k=3)
+  T = len(ids)
+  want = expected(T, 256, 192, 16, 3, 64, seed=9, routing=ids.tobytes())
+  saved = check_grads(want, block_m)
+  _, recomputed = loss_and_grads(want[0], "cuda", mok_jax.Config(block_m=block_m,
+                                                                 recompute=True))
+  differ = sorted(name for name in saved if bits(saved[name]) != bits(recomputed[name]))
+  assert not differ, f"recompute: different bits in {differ}"
+
+
+@pytest.mark.parametrize("block_m", ops.CUDA_BLOCK_MS)
+def test_same_bits_however_tails_ride(block_m):
+  """y and every gradient have the same bits whether an expert's last rows ride in its full row
+  tiles, 16 a tile (MOK_GEMM_TAILS unset: up to 8 of them; 1: only tails of at most 16 rows) or
+  are row tiles of their own (0), one CTA a tile or in clusters of two."""
+  runs = {(tails, clusters): cuda_digests_with(NO_COMMAND_BUFFER_FLAGS, clusters, tails,
+                                               "tails")[str(block_m)]
+          for tails, clusters in (("", "1"), ("1", "1"), ("0", "1"), ("", "2"))}
+  base = runs[("", "1")]
+  assert set(base["grad"][0]) == {"loss", "y", *GRAD_NAMES}, base["grad"][0].keys()
+  for key, run in runs.items():
+    assert run["fwd"] == base["fwd"], key
+    differ = sorted(name for name in base["grad"][0]
+                    if name != "loss" and run["grad"][0][name] != base["grad"][0][name])
+    assert not differ, f"MOK_GEMM_TAILS, MOK_GEMM_CLUSTER = {key}: different bits in {differ}"
 
 
 @pytest.mark.parametrize("block_m", ops.CUDA_BLOCK_MS)

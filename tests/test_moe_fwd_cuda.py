@@ -20,7 +20,8 @@ from mok_jax import ops
 import oracle
 from cases import (BF16, BF16_GRAD_RTOL, BF16_RTOL, COMMAND_BUFFER_FLAGS, CUDA_ROUTINGS,
                    CUDA_SHAPES, NO_COMMAND_BUFFER_FLAGS, REPLAYS, assert_close, bits,
-                   cuda_digests_with, cuda_routing, loss_and_grads, make_case, per_block_m)
+                   cuda_digests_with, cuda_routing, loss_and_grads, make_case, per_block_m,
+                   tail_routing)
 
 pytestmark = pytest.mark.gpu
 
@@ -78,6 +79,21 @@ def test_forward_matches_oracle(T, H, I, E, k, Is, block_m):
 @pytest.mark.parametrize("name,block_m", per_block_m(CUDA_ROUTINGS))
 def test_adversarial_routing(name, block_m):
   check_against_oracle(expected(700, 128, 192, 8, 3, 0, seed=3, routing=name), block_m)
+
+
+@functools.lru_cache(maxsize=1)
+def expected_tails():
+  ids = tail_routing()
+  case = make_case(len(ids), 256, 320, 16, ids.shape[1], dtype=BF16, seed=8, experts=ids)
+  return case, oracle.moe(*case.args(), round_to=BF16), forward(case, "xla")
+
+
+@pytest.mark.parametrize("block_m", ops.CUDA_BLOCK_MS)
+def test_tails_spread_over_row_tiles(block_m):
+  """Experts whose rows past their last multiple of 128 ride in their last full row tiles, 16 a
+  tile (cases.TAIL_COUNTS: 1-127 such rows over 1-8 full tiles), beside experts whose cannot,
+  with narrow column tiles among them."""
+  check_against_oracle(expected_tails(), block_m)
 
 
 @pytest.mark.parametrize("block_m", ops.CUDA_BLOCK_MS)

@@ -365,7 +365,7 @@ __device__ __forceinline__ void StoreTileTma(const GemmParams& p, const GemmTile
 
 // A tail tile's tail (kTail; TailMma): warpgroup wg's two transposed 64 x kTailRows panels,
 // rounded to bf16 and stored a value at a time (kTailRows rows, a few KB a tile). The padding
-// rows after the tail, up to m_end, then get zeros (ZeroTailPadding) in every output of the
+// rows after the group's last tail, up to m_end, then get zeros (ZeroTailPadding) in every output of the
 // tile's columns, as the padding rows of a tile that multiplies them (zero rows of A) would:
 // the backward reads gu and h of padding rows, and multiplies them by zero.
 template <class Kind, class TailAcc>
@@ -375,7 +375,7 @@ __device__ __forceinline__ void StoreTail(const GemmParams& p, const GemmTile& t
   const int wg = thread / 128, wg_thread = thread % 128;
   // This thread's values: tail rows c0 + AccColStep(v) + v % 2, panel columns r0 +
   // AccRowStep(v); one base per output and compile-time steps from it.
-  const int64_t row0 = tile.m0 + C::kBlockM + AccCol(wg_thread);
+  const int64_t row0 = tile.m0 + tile.tail_at + AccCol(wg_thread);
   const int r0 = AccRow(wg_thread);
   auto* out0 = static_cast<__nv_bfloat16*>(p.out0);
   auto* out1 = static_cast<__nv_bfloat16*>(p.out1);
@@ -415,8 +415,8 @@ __device__ __forceinline__ void StoreTail(const GemmParams& p, const GemmTile& t
   }
 }
 
-// After a tail tile's other stores (StoreTail): zeros, 16 bytes a store, over both
-// warpgroups, in rows [m0 + kBlockM + kTailRows, m_end) of the tile's chunks of 8 columns
+// After the group's last tail's other stores (StoreTail): zeros, 16 bytes a store, over both
+// warpgroups, in the rows after that tail up to m_end, of the tile's chunks of 8 columns
 // (kSwiGLU: of h, and of g and u in gu).
 template <class Kind>
 __device__ __forceinline__ void ZeroTailPadding(const GemmParams& p, const GemmTile& tile,
@@ -424,7 +424,7 @@ __device__ __forceinline__ void ZeroTailPadding(const GemmParams& p, const GemmT
   using C = GemmConfig;
   auto* out0 = static_cast<__nv_bfloat16*>(p.out0);
   auto* out1 = static_cast<__nv_bfloat16*>(p.out1);
-  const int64_t zero0 = tile.m0 + C::kBlockM + kTailRows;
+  const int64_t zero0 = tile.m0 + tile.tail_at + kTailRows;
   constexpr int kChunks = (Kind::kEpi == Epilogue::kSwiGLU ? C::kBlockN / 2 : C::kBlockN) / 8;
   const int cells = static_cast<int>(tile.m_end - zero0) * kChunks;  // under 128 rows' worth
   const uint4 zero = make_uint4(0, 0, 0, 0);

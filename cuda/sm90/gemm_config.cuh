@@ -98,15 +98,15 @@ struct GemmKind {
                 "K-major stages are 128-byte swizzled rows: 64 deep");
   static constexpr uint32_t kStageBytes =
       (GemmConfig::kBlockM + GemmConfig::kBlockN) * kBlockK * sizeof(__nv_bfloat16);
-  // The forward's expert GEMMs take a group's last few rows (its tail, at most kTailRows past a
-  // multiple of 128) into its last full row tile instead of a half tile of their own: the
-  // stage holds them beside A and they multiply the B already there (MmaTile).
+  // The forward's expert GEMMs take a group's last rows past a multiple of 128 (its tail) into
+  // its last full row tiles, kTailRows a tile, instead of a row tile of their own: the stage
+  // holds them beside A and they multiply the B already there (MmaTile, TailCount).
   static constexpr bool kTail = kSched_ == Schedule::kRowsByGroup && kKMajorA && !kKMajorB &&
                                 (kEpi_ == Epilogue::kSwiGLU || kEpi_ == Epilogue::kStore);
 };
 
-// A group's tail that rides in its last full row tile: rows past the last multiple of 128, at
-// most this many (four stages of them fit beside the forward's 192 KB of stages).
+// The rows of a group's tail that ride in one full row tile (four stages of them fit beside
+// the forward's 192 KB of stages).
 //
 // NOTES: a half tile (64 rows) streams all of its B for half of a full tile's MMAs, and in the
 // forward-MLP launch the bytes into shared memory are what bound it: on gptoss_120b's shape,
@@ -150,6 +150,7 @@ struct GemmParams {
   int n_split;              // kStore*: column split and row pitch of the outputs
   int n_tiles, m_tiles;
   int raster_rows;          // row tiles per band of the tile order (tile_scheduler.cuh)
+  int max_tails;            // kTail: the most full row tiles a group's tail may ride in
   int64_t tiles;            // an upper bound on the linear tiles (LinearTiles): sizes the grid
   void* out0;
   void* out1;

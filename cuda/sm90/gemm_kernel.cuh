@@ -99,12 +99,12 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
   // the consumers write and scan (they have the registers for it).
   const int32_t* group_offsets = nullptr;
   const int32_t* row_tokens = nullptr;
-  int groups = 0;
+  int groups = 0, max_tails = 0;
   CUTE_UNROLL
   for (int i = 0; i < kSlots; ++i) {
     if (c.gemm[i].offsets) {
       group_offsets = c.gemm[i].offsets, groups = c.gemm[i].groups;
-      row_tokens = c.gemm[i].row_tokens;
+      row_tokens = c.gemm[i].row_tokens, max_tails = c.gemm[i].max_tails;
     }
   }
   const int32_t* tile_start = nullptr;
@@ -123,7 +123,7 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
       }
       if (!kProducer && threadIdx.x / 32 == 4) {
         ScanGroupTiles(smem.offsets, Kind0::kTail && row_tokens ? smem.used_end : nullptr,
-                       groups, threadIdx.x % 32, smem.tile_start);
+                       groups, max_tails, threadIdx.x % 32, smem.tile_start);
         if (kClusterM > 1) {
           __syncwarp();
           ScanGroupPairs(smem.tile_start, groups, threadIdx.x % 32, cs.pair_start);
@@ -294,7 +294,9 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
       auto zero_tail = [&](auto s) __attribute__((always_inline)) {
         using Kind = SlotKind<Kind0, Kind1, decltype(s)::value>;
         if constexpr (Kind::kTail) {
-          if (tile.tail) ZeroTailPadding<Kind>(c.gemm[decltype(s)::value], tile, thread);
+          if (tile.tail && tile.tail_last) {
+            ZeroTailPadding<Kind>(c.gemm[decltype(s)::value], tile, thread);
+          }
         }
       };
       if (!tile.split()) {

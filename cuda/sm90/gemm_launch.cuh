@@ -46,6 +46,18 @@ inline int RasterRows() {
   return rows;
 }
 
+// The most row tiles of a group that take kTailRows of its tail each (TailCount): 8 spreads
+// any tail of a group with enough full row tiles. MOK_GEMM_TAILS overrides (a diagnostic; 1 =
+// only tails of at most kTailRows, in the last full row tile, the order before 2026-11-30's
+// evening; 0 = none).
+inline int MaxTails() {
+  static const int tails = [] {
+    const char* env = std::getenv("MOK_GEMM_TAILS");
+    return env ? std::max(0, std::atoi(env)) : GemmConfig::kBlockM / kTailRows;
+  }();
+  return tails;
+}
+
 // The fields that place a GEMM's rows: the groups of `offsets` (null: one group of m rows).
 inline GemmParams RowGroups(const int32_t* offsets, int block_m, int groups, int64_t m) {
   GemmParams p{};
@@ -98,6 +110,7 @@ const char* PrepareGemm(GemmParams& p, const Matrix& a, const Matrix& b0, const 
   if (p.offsets && p.block_m != 64 && p.block_m != C::kBlockM) return "block_m must be 64 or 128";
   p.tiles = LinearTiles<Kind::kSched>(p);
   p.raster_rows = RasterRows();
+  p.max_tails = MaxTails();
   return nullptr;
 }
 

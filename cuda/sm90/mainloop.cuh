@@ -131,8 +131,8 @@ __device__ __forceinline__ void LoadTile(const GemmParams& p, const GemmTile& ti
       if (!shared_a) TmaLoad2d(smem.a[s], a_map, &smem.full[s], kk, m0);
       else if (rank == 0) TmaLoad2d(smem.a[s], a_map, &smem.full[s], kk, m0, kBoth);
       if constexpr (Kind::kTail) {
-        // The tail's rows, after the tile's 128 (both CTAs' tiles, when they share A).
-        const int32_t t0 = m0 + C::kBlockM;
+        // The tail's rows (both CTAs' tiles, when they share A).
+        const int32_t t0 = m0 + tile.tail_at;
         if (tail && !shared_a) TmaLoad2d(smem.tail[s], &p.a_tail, &smem.full[s], kk, t0);
         else if (tail && rank == 0) {
           TmaLoad2d(smem.tail[s], &p.a_tail, &smem.full[s], kk, t0, kBoth);

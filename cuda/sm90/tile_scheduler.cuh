@@ -33,8 +33,11 @@ struct GemmTile {
   // Clusters of two, two column tiles of one row tile: both CTAs' A is the same k-tiles, which
   // rank 0 loads for both.
   bool shared_a;
-  // kTail: the group's tail rows, [m0 + kBlockM, m0 + kBlockM + kTailRows), ride in this tile.
+  // kTail: kTailRows of the group's tail rows, [m0 + tail_at, m0 + tail_at + kTailRows), ride
+  // in this tile; tail_last: the group's last tail, after which its padding rows get zeros.
   bool tail;
+  bool tail_last;
+  int tail_at;
   // Half and narrow tiles are split (MmaTileSplit): a warpgroup multiplies 64 x 128.
   __host__ __device__ bool split() const { return half || narrow; }
 };
@@ -86,32 +89,42 @@ __device__ __forceinline__ void ScanGroups(int groups, int lane, Count count, in
   if (lane == 31) out[groups] = inclusive;
 }
 
-// Whether group g ends in a tail (kTail; used_end: UsedRowEnds): more than kBlockM used rows,
-// at most kTailRows of them past a multiple of kBlockM. Its last full row tile takes them.
-__device__ __forceinline__ bool EndsInTail(const int32_t* offsets, const int32_t* used_end,
-                                           int g) {
+// The tails of group g (kTail; used_end: UsedRowEnds): its rows past the last multiple of
+// kBlockM in pieces of kTailRows, one on each of its last full row tiles, when it has more than
+// kBlockM used rows and at most max_tails (and its full row tiles) suffice; else 0, and its last
+// rows are a row tile of their own.
+//
+// NOTES: that row tile streams all of B for a few rows: a half tile costs nearly a full one
+// where the bytes into shared memory bound the launch, a tail about a sixteenth (2 KB a 48 KB
+// stage, and m64n16 MMAs).
+__device__ __forceinline__ int TailCount(const int32_t* offsets, const int32_t* used_end, int g,
+                                         int max_tails) {
+  constexpr int kM = GemmConfig::kBlockM;
   const int used = used_end[g] - offsets[g];
-  return used > GemmConfig::kBlockM && (used - 1) % GemmConfig::kBlockM < kTailRows;
+  const int full = used / kM, tails = (used % kM + kTailRows - 1) / kTailRows;
+  return full > 0 && tails <= min(full, max_tails) ? tails : 0;
 }
 
 // tile_start[g] = the first row tile of group g, when the kBlockM-row tiles of all groups are
 // numbered without gaps (a group of c rows has ceil(c / kBlockM) of them, the last a half tile
-// when c mod kBlockM = 64; one that ends in a tail, floor(used / kBlockM));
-// tile_start[groups] = all of them. With used_end (UsedRowEnds, kTail), which it then
-// overwrites with tail_row[g]: the row tile of group g that takes its tail, or -1. Run by one
-// warp.
+// when c mod kBlockM = 64; one with tails, floor(used / kBlockM)); tile_start[groups] = all of
+// them. With used_end (UsedRowEnds, kTail), which it then overwrites with tail_first[g]: the
+// first of group g's row tiles that take a tail (the rest of its row tiles do too), or -1. Run
+// by one warp.
 __device__ __forceinline__ void ScanGroupTiles(const int32_t* offsets, int32_t* used_end,
-                                               int groups, int lane, int32_t* tile_start) {
+                                               int groups, int max_tails, int lane,
+                                               int32_t* tile_start) {
   constexpr int kM = GemmConfig::kBlockM;
   ScanGroups(groups, lane, [&](int g) {
-    if (used_end && EndsInTail(offsets, used_end, g)) return (used_end[g] - offsets[g]) / kM;
+    if (used_end && TailCount(offsets, used_end, g, max_tails) > 0)
+      return (used_end[g] - offsets[g]) / kM;
     return (offsets[g + 1] - offsets[g] + kM - 1) / kM;
   }, tile_start);
   if (used_end) {
     __syncwarp();
     for (int g = lane; g < groups; g += 32) {
-      const bool tail = EndsInTail(offsets, used_end, g);
-      used_end[g] = tail ? (used_end[g] - offsets[g]) / kM - 1 : -1;
+      const int tails = TailCount(offsets, used_end, g, max_tails);
+      used_end[g] = tails > 0 ? (used_end[g] - offsets[g]) / kM - tails : -1;
     }
   }
 }
@@ -147,15 +160,19 @@ __device__ __forceinline__ RasterPos Raster(int64_t local, int64_t rows, int col
   return {b * band + in_band % band_rows, static_cast<int>(in_band / band_rows)};
 }
 
-// Row tile `row` (of the group's, whose first is tile `first` of all groups') and column tile
-// `col` of group t.group of a kRowsByGroup GEMM, into t.
-// tail_row: kTail's (ScanGroupTiles), or null.
+// Row tile `row` of the `rows` of group t.group (whose first is tile `first` of all groups')
+// and column tile `col` of a kRowsByGroup GEMM, into t. tail_first: kTail's (ScanGroupTiles),
+// or null. Tail j of a group (its row tile tail_first + j) is its rows [kBlockM rows + kTailRows
+// j, + kTailRows).
 template <int kBlockK, int kTileCols>
 __device__ __forceinline__ void PlaceRowTile(const GemmParams& p, const int32_t* offsets,
-                                             const int32_t* tail_row, int64_t first,
-                                             int64_t row, int col, GemmTile& t) {
+                                             const int32_t* tail_first, int64_t first,
+                                             int64_t rows, int64_t row, int col, GemmTile& t) {
   constexpr int kM = GemmConfig::kBlockM;
-  t.tail = tail_row && tail_row[t.group] == row;
+  const int64_t tail = tail_first ? row - tail_first[t.group] : -1;
+  t.tail = tail_first && tail_first[t.group] >= 0 && tail >= 0;
+  t.tail_last = row == rows - 1;
+  t.tail_at = static_cast<int>((rows - row) * kM + tail * kTailRows);
   t.n_tile = col;
   t.row_tile = static_cast<int>(first + row);
   t.m0 = (offsets ? offsets[t.group] : 0) + row * kM;
@@ -174,6 +191,8 @@ __device__ __forceinline__ GemmTile BlankTile() {
   t.shared_b = false;
   t.shared_a = false;
   t.tail = false;
+  t.tail_last = false;
+  t.tail_at = 0;
   t.k_begin = 0;
   t.group = 0;
   return t;
@@ -193,7 +212,7 @@ __device__ __forceinline__ int FindGroup(int groups, int64_t linear, First first
 
 // offsets, tile_start: the groups' offsets and ScanGroupTiles in shared memory, or null (one
 // group); used_end: kGroupedK's UsedRowEnds in shared memory (the reduction ends there), or
-// kTail's tail_row (ScanGroupTiles), or null (the padded ends; no tails).
+// kTail's tail_first (ScanGroupTiles), or null (the padded ends; no tails).
 // `linear` < TileCount (the launch's queue hands out no other). kTileCols: the output columns
 // of a column tile (kSwiGLU: of h).
 template <Schedule kSched, int kBlockK, int kTileCols>
@@ -211,7 +230,7 @@ __device__ __forceinline__ GemmTile ScheduleTile(const GemmParams& p, const int3
       rows = tile_start[t.group + 1] - first;
     }
     const RasterPos pos = Raster(linear - first * p.n_tiles, rows, p.n_tiles, p.raster_rows);
-    PlaceRowTile<kBlockK, kTileCols>(p, offsets, used_end, first, pos.row, pos.col, t);
+    PlaceRowTile<kBlockK, kTileCols>(p, offsets, used_end, first, rows, pos.row, pos.col, t);
   } else {
     const int64_t per_group = int64_t{p.m_tiles} * p.n_tiles;
     t.group = static_cast<int>(linear / per_group);
@@ -261,12 +280,13 @@ __device__ __forceinline__ int64_t UnitCount(const GemmParams& p, const int32_t*
   return UnitsBefore(rows, pairs, p.n_tiles);
 }
 
-// The tile of the CTA of rank `rank` in unit `linear` < UnitCount; tail_row as in ScheduleTile.
+// The tile of the CTA of rank `rank` in unit `linear` < UnitCount; tail_first as in
+// ScheduleTile.
 template <int kBlockK, int kTileCols>
 __device__ __forceinline__ GemmTile ScheduleUnit(const GemmParams& p, const int32_t* offsets,
                                                  const int32_t* tile_start,
                                                  const int32_t* pair_start,
-                                                 const int32_t* tail_row, int64_t linear,
+                                                 const int32_t* tail_first, int64_t linear,
                                                  int rank) {
   GemmTile t = BlankTile();
   int64_t first = 0, rows = (p.m_total + GemmConfig::kBlockM - 1) / GemmConfig::kBlockM;
@@ -282,12 +302,12 @@ __device__ __forceinline__ GemmTile ScheduleUnit(const GemmParams& p, const int3
   const int64_t pairs = rows / 2;
   if (local < pairs * p.n_tiles) {
     const RasterPos pos = Raster(local, pairs, p.n_tiles, max(1, p.raster_rows / 2));
-    PlaceRowTile<kBlockK, kTileCols>(p, offsets, tail_row, first, 2 * pos.row + rank, pos.col,
-                                     t);
+    PlaceRowTile<kBlockK, kTileCols>(p, offsets, tail_first, first, rows, 2 * pos.row + rank,
+                                     pos.col, t);
     t.shared_b = !t.narrow;
   } else {
     const int col = 2 * static_cast<int>(local - pairs * p.n_tiles) + rank;
-    PlaceRowTile<kBlockK, kTileCols>(p, offsets, tail_row, first, rows - 1,
+    PlaceRowTile<kBlockK, kTileCols>(p, offsets, tail_first, first, rows, rows - 1,
                                      min(col, p.n_tiles - 1), t);
     t.absent = col >= p.n_tiles;
     t.shared_a = (col | 1) < p.n_tiles;  // the unit's second column tile exists
