@@ -46,16 +46,40 @@ inline int RasterRows() {
   return rows;
 }
 
-// The most row tiles of a group that take kTailRows of its tail each (TailCount): 8 spreads
-// any tail of a group with enough full row tiles. MOK_GEMM_TAILS overrides (a diagnostic; 1 =
-// only tails of at most kTailRows, in the last full row tile, the order before 2026-11-30's
-// evening; 0 = none).
-inline int MaxTails() {
-  static const int tails = [] {
+// Whether the groups of a row-grouped GEMM average at most kClusterRows rows (routed rows with
+// their padding bound, R / E). Few row tiles a group: its weights stream into one or two row
+// tiles, what a launch's SMs take in of B bounds it, and clusters of two CTAs (UseClusters)
+// pay: a pair that shares B reads it from L2 once (a group's odd row tile goes as two column
+// tiles side by side, which share its rows of A). Many: a band of eight row tiles already
+// shares B through L2, and the pairs' lockstep costs more than the bytes save.
+//
+// NOTES: tools/ab, one H200, 2026-11-30 12:25-12:33 UTC, same bits, one CTA a tile -> clusters
+// on every launch (GPU ms of the forward-MLP launch at full clock; a forward back to back at
+// the power limit): dsv3 (R / E 255) 6.23 -> 5.87, 7.21 -> 6.94; gptoss_120b (383) 2.73 ->
+// 2.70, 3.33 -> 3.29; qwen3_30b (1151) 1.83 -> 1.85, 2.53 -> 2.56; mixtral (2175) 7.55 ->
+// 7.73, 9.14 -> 9.02.
+constexpr int64_t kClusterRows = 512;
+
+inline bool FewRowsPerGroup(const GemmParams& p) {
+  return p.m_total <= kClusterRows * p.groups;
+}
+
+// The most row tiles of a group that take kTailRows of its tail each (TailCount). Groups with
+// few rows (FewRowsPerGroup) spread any tail over as many full row tiles as it needs, which
+// saves a row tile that streams all of B; the others take only tails of at most kTailRows,
+// in their last full row tile. MOK_GEMM_TAILS overrides (a diagnostic; 0 = no tails).
+//
+// NOTES: tools/ab/measure.py, one H200, 2026-11-30 19:50 UTC, same bits; GPU ms of the
+// forward-MLP launch at full clock, then back to back, with at most 1 / 2 / 8 tails a group:
+// gptoss_120b 2.94 (an outlier: 2.78 in forward+backward) / 2.67 / 2.66, b2b 2.98 / 2.93 /
+// 2.95; mixtral 7.51 / 7.62 / 8.09, b2b 8.51 / 8.67 / 9.06; qwen3_30b and dsv3 within 1%.
+inline int MaxTails(const GemmParams& p) {
+  static const int forced = [] {
     const char* env = std::getenv("MOK_GEMM_TAILS");
-    return env ? std::max(0, std::atoi(env)) : GemmConfig::kBlockM / kTailRows;
+    return env ? std::max(0, std::atoi(env)) : -1;
   }();
-  return tails;
+  if (forced >= 0) return forced;
+  return FewRowsPerGroup(p) ? GemmConfig::kBlockM / kTailRows : 1;
 }
 
 // The fields that place a GEMM's rows: the groups of `offsets` (null: one group of m rows).
@@ -110,7 +134,7 @@ const char* PrepareGemm(GemmParams& p, const Matrix& a, const Matrix& b0, const 
   if (p.offsets && p.block_m != 64 && p.block_m != C::kBlockM) return "block_m must be 64 or 128";
   p.tiles = LinearTiles<Kind::kSched>(p);
   p.raster_rows = RasterRows();
-  p.max_tails = MaxTails();
+  p.max_tails = MaxTails(p);
   return nullptr;
 }
 
@@ -133,20 +157,9 @@ const char* LaunchGemmKernel(void (*kernel)(Params...), size_t smem, int64_t cta
   return Check(cudaGetLastError());
 }
 
-// Whether a row-grouped launch of `c` runs in clusters of two CTAs (ScheduleUnit): when its
-// groups average at most kClusterRows rows (routed rows with their padding bound, R / E). Few
-// row tiles a group: its weights stream into one or two row tiles, and a pair that shares B
-// reads them from L2 once (a group's odd row tile goes as two column tiles side by side, which
-// share its rows of A). Many: a band of eight row tiles already shares B through L2, and the
-// pairs' lockstep costs more than the bytes save. MOK_GEMM_CLUSTER=1 or 2 forces either.
-//
-// NOTES: tools/ab, one H200, 2026-11-30 12:25-12:33 UTC, same bits, one CTA a tile -> clusters
-// on every launch (GPU ms of the forward-MLP launch at full clock; a forward back to back at
-// the power limit): dsv3 (R / E 255) 6.23 -> 5.87, 7.21 -> 6.94; gptoss_120b (383) 2.73 ->
-// 2.70, 3.33 -> 3.29; qwen3_30b (1151) 1.83 -> 1.85, 2.53 -> 2.56; mixtral (2175) 7.55 ->
-// 7.73, 9.14 -> 9.02.
-constexpr int64_t kClusterRows = 512;
 
+// Whether a row-grouped launch of `c` runs in clusters of two CTAs (ScheduleUnit): when its
+// groups have few rows (FewRowsPerGroup). MOK_GEMM_CLUSTER=1 or 2 forces either.
 inline bool UseClusters(const ChainParams& c) {
   static const int forced = [] {
     const char* env = std::getenv("MOK_GEMM_CLUSTER");
@@ -154,7 +167,7 @@ inline bool UseClusters(const ChainParams& c) {
   }();
   if (forced == 1 || forced == 2) return forced == 2;
   for (const GemmParams& p : c.gemm) {
-    if (p.offsets) return p.m_total <= kClusterRows * p.groups;
+    if (p.offsets) return FewRowsPerGroup(p);
   }
   return false;
 }
