@@ -69,7 +69,7 @@ inline bool FewRowsPerGroup(const GemmParams& p) {
 // saves a row tile that streams all of B; the others take only tails of at most kTailRows,
 // in their last full row tile. MOK_GEMM_TAILS overrides (a diagnostic; 0 = no tails).
 //
-// NOTES: tools/ab/measure.py, one H200, 2026-11-30 19:50 UTC, same bits; GPU ms of the
+// NOTES: tools/ab/measure.py, one H200, 2026-11-30 19:38 UTC, same bits; GPU ms of the
 // forward-MLP launch at full clock, then back to back, with at most 1 / 2 / 8 tails a group:
 // gptoss_120b 2.94 (an outlier: 2.78 in forward+backward) / 2.67 / 2.66, b2b 2.98 / 2.93 /
 // 2.95; mixtral 7.51 / 7.62 / 8.09, b2b 8.51 / 8.67 / 9.06; qwen3_30b and dsv3 within 1%.
