@@ -299,20 +299,23 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
           }
         }
       };
+      // mma(extra) with the tile's tail MMAs (TailMma) when it carries a tail, else NoTail.
+      auto with_tail = [&](auto mma) __attribute__((always_inline)) {
+        if constexpr (Kind0::kTail) {
+          if (tile.tail) {
+            mma(MakeTailMma<Kind0>(smem, wg, thread % 128, tail_acc0, tail_acc1));
+            return;
+          }
+        }
+        mma(NoTail{});
+      };
       if (!tile.split()) {
         auto acc = cute::partition_fragment_C(
             typename GemmLayouts<Kind0>::TiledMma{},
             cute::Shape<cute::Int<C::kBlockM>, cute::Int<C::kBlockN>>{});
-        bool done = false;
-        if constexpr (Kind0::kTail) {
-          if (tile.tail) {
-            MmaTile<Kind0, kClusterM>(
-                tile, smem, thread, acc, it,
-                MakeTailMma<Kind0>(smem, wg, thread % 128, tail_acc0, tail_acc1));
-            done = true;
-          }
-        }
-        if (!done) MmaTile<Kind0, kClusterM>(tile, smem, thread, acc, it);
+        with_tail([&](auto extra) __attribute__((always_inline)) {
+          MmaTile<Kind0, kClusterM>(tile, smem, thread, acc, it, extra);
+        });
         WithSlot<kSlots>(i, [&](auto s) __attribute__((always_inline)) {
           constexpr int kSlot = decltype(s)::value;
           store_tail(s);  // first: its accumulators' registers are free for StoreTile's
@@ -342,14 +345,7 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
             mma_split(Kind1{}, extra);
           }
         };
-        bool done = false;
-        if constexpr (Kind0::kTail) {
-          if (tile.tail) {
-            mma_kind(MakeTailMma<Kind0>(smem, wg, thread % 128, tail_acc0, tail_acc1));
-            done = true;
-          }
-        }
-        if (!done) mma_kind(NoTail{});
+        with_tail(mma_kind);
         WithSlot<kSlots>(i, [&](auto s) __attribute__((always_inline)) {
           constexpr int kSlot = decltype(s)::value;
           store_tail(s);
