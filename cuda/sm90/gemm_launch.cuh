@@ -157,7 +157,6 @@ const char* LaunchGemmKernel(void (*kernel)(Params...), size_t smem, int64_t cta
   return Check(cudaGetLastError());
 }
 
-
 // Whether a row-grouped launch of `c` runs in clusters of two CTAs (ScheduleUnit): when its
 // groups have few rows (FewRowsPerGroup). MOK_GEMM_CLUSTER=1 or 2 forces either.
 inline bool UseClusters(const ChainParams& c) {
