@@ -396,8 +396,7 @@ __device__ __forceinline__ void StoreTail(const GemmParams& p, const GemmTile& t
       }
       h[at] = __float2bfloat16_rn(Silu(g) * u);
     }
-  } else {
-    static_assert(Kind::kEpi == Epilogue::kStore);
+  } else if constexpr (Kind::kEpi == Epilogue::kStore) {
     const int64_t pitch = p.n_split;
     CUTE_UNROLL
     for (int half = 0; half < 2; ++half) {
@@ -412,37 +411,52 @@ __device__ __forceinline__ void StoreTail(const GemmParams& p, const GemmTile& t
             __float2bfloat16_rn(half ? acc1(v) : acc0(v));
       }
     }
+  } else {
+    static_assert(Kind::kEpi == Epilogue::kStoreF32);
+    const int64_t pitch = p.n_split;  // out0 only (n = n_split)
+    CUTE_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      const int c0 = tile.n_tile * C::kBlockN + 64 * (wg + 2 * half) + r0;
+      if (c0 - r0 >= p.n) continue;
+      float* out = static_cast<float*>(p.out0) + row0 * pitch + c0;
+      CUTE_UNROLL
+      for (int v = 0; v < 8; ++v)
+        out[(AccColStep(v) + v % 2) * pitch + AccRowStep(v)] = half ? acc1(v) : acc0(v);
+    }
   }
 }
 
 // After the group's last tail's other stores (StoreTail): zeros, 16 bytes a store, over both
-// warpgroups, in the rows after that tail up to m_end, of the tile's chunks of 8 columns
-// (kSwiGLU: of h, and of g and u in gu).
+// warpgroups, in the rows after that tail up to m_end, of the tile's chunks of 8 columns (4
+// for kStoreF32; kSwiGLU: of h, and of g and u in gu).
 template <class Kind>
 __device__ __forceinline__ void ZeroTailPadding(const GemmParams& p, const GemmTile& tile,
                                                 int thread) {
   using C = GemmConfig;
+  constexpr Epilogue kEpi = Kind::kEpi;
   auto* out0 = static_cast<__nv_bfloat16*>(p.out0);
   auto* out1 = static_cast<__nv_bfloat16*>(p.out1);
   const int64_t zero0 = tile.m0 + tile.tail_at + kTailRows;
-  constexpr int kChunks = (Kind::kEpi == Epilogue::kSwiGLU ? C::kBlockN / 2 : C::kBlockN) / 8;
+  constexpr int kTileCols = kEpi == Epilogue::kSwiGLU ? C::kBlockN / 2 : C::kBlockN;
+  constexpr int kChunkCols = kEpi == Epilogue::kStoreF32 ? 4 : 8;
+  constexpr int kChunks = kTileCols / kChunkCols;
   const int cells = static_cast<int>(tile.m_end - zero0) * kChunks;  // under 128 rows' worth
   const uint4 zero = make_uint4(0, 0, 0, 0);
   for (int i = thread; i < cells; i += 128 * C::kConsumerWarpgroups) {
     const int64_t row = zero0 + i / kChunks;
-    const int chunk = i % kChunks;
-    if constexpr (Kind::kEpi == Epilogue::kSwiGLU) {
-      const int64_t c = int64_t{tile.n_tile} * (C::kBlockN / 2) + 8 * chunk;
-      if (c >= p.n) continue;
+    const int64_t c = int64_t{tile.n_tile} * kTileCols + kChunkCols * (i % kChunks);
+    if (c >= p.n) continue;
+    if constexpr (kEpi == Epilogue::kSwiGLU) {
       if (out0) {
         StoreGlobal128(out0 + row * 2 * p.n + c, zero);
         StoreGlobal128(out0 + row * 2 * p.n + p.n + c, zero);
       }
       StoreGlobal128(out1 + row * p.n + c, zero);
+    } else if constexpr (kEpi == Epilogue::kStoreF32) {
+      StoreGlobal128(static_cast<float*>(p.out0) + row * p.n_split + c, zero);
     } else {
-      const int64_t c = int64_t{tile.n_tile} * C::kBlockN + 8 * chunk;
       if (c < p.n_split) StoreGlobal128(out0 + row * p.n_split + c, zero);
-      else if (c < p.n) StoreGlobal128(out1 + row * p.n_split + c - p.n_split, zero);
+      else StoreGlobal128(out1 + row * p.n_split + c - p.n_split, zero);
     }
   }
 }

@@ -99,11 +99,13 @@ struct GemmKind {
                 "K-major stages are 128-byte swizzled rows: 64 deep");
   static constexpr uint32_t kStageBytes =
       (GemmConfig::kBlockM + GemmConfig::kBlockN) * kBlockK * sizeof(__nv_bfloat16);
-  // The forward's expert GEMMs take a group's last rows past a multiple of 128 (its tail) into
-  // its last full row tiles, kTailRows a tile, instead of a row tile of their own: the stage
-  // holds them beside A and they multiply the B already there (MmaTile, TailCount).
-  static constexpr bool kTail = kSched_ == Schedule::kRowsByGroup && kKMajorA && !kKMajorB &&
-                                (kEpi_ == Epilogue::kSwiGLU || kEpi_ == Epilogue::kStore);
+  // The expert GEMMs over routed rows that store plainly (the forward's, and dx_r in the
+  // backward) take a group's last rows past a multiple of 128 (its tail) into its last full row
+  // tiles, kTailRows a tile, instead of a row tile of their own: the stage holds them beside A
+  // and they multiply the B already there (MmaTile, TailCount). Not the SwiGLU backward: its
+  // tails were slower on three of the four bench shapes (docs/performance.md).
+  static constexpr bool kTail = kSched_ == Schedule::kRowsByGroup && kKMajorA &&
+                                kEpi_ != Epilogue::kSwiGLUBwd;
 };
 
 // The rows of a group's tail that ride in one full row tile (four stages of them fit beside

@@ -254,22 +254,22 @@ __device__ __forceinline__ void MmaSteps(Mma& mma, const FragA& tCrA, const Frag
 
 // A tail tile's extra MMAs for one consumer warpgroup (kTail): the tail's kTailRows rows times
 // two 64-column panels of the stage's B, computed transposed, as wgmma m64n16k16 with the
-// panel (MN-major, as it lies) for A and the tail rows (K-major) for B, so that no wgmma runs
-// on 64 rows of which kTailRows are used. Warpgroup w takes panels w and w + 2: for kSwiGLU a
+// panel (MN- or K-major, as it lies) for A and the tail rows (K-major) for B, so that no wgmma
+// runs on 64 rows of which kTailRows are used. Warpgroup w takes panels w and w + 2: for kSwiGLU a
 // column's gate (panels 0-1) and up (2-3) then sit in the same thread and register, acc0 and
 // acc1. acc0(v), acc1(v): panel column AccRow + AccRowStep(v), tail row AccCol + AccColStep(v)
 // + v % 2.
 template <class Kind>
 struct TailLayouts {
   using TiledMma = decltype(cute::make_tiled_mma(
-      cute::SM90_64x16x16_F32BF16BF16_SS<cute::GMMA::Major::MN, cute::GMMA::Major::K>{}));
+      cute::SM90_64x16x16_F32BF16BF16_SS<Kind::kMajorB, cute::GMMA::Major::K>{}));
   using Accum = decltype(cute::partition_fragment_C(
       TiledMma{}, cute::Shape<cute::Int<64>, cute::Int<kTailRows>>{}));
 };
 
 template <class Kind, class FragA, class FragT>
 struct TailMma {
-  static_assert(!Kind::kKMajorB && kTailRows == 16, "m64n16 on an MN-major B panel");
+  static_assert(kTailRows == 16, "m64n16 on a B panel");
   typename TailLayouts<Kind>::TiledMma mma;
   FragA a0, a1;  // (MMA, MMA_M, MMA_K, PIPE) of panels w and w + 2
   FragT t;       // (MMA, MMA_N, MMA_K, PIPE)

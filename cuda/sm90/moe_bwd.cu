@@ -63,6 +63,7 @@ const char* DataGradChains(const MlpGrads* mlps, int count, ChainParams* down_ch
     GemmParams& up = dx_chain->gemm[j];
     up = sm90::RowGroups(g.offsets, g.block_m, g.groups, g.m);
     up.n = H, up.k = 2 * I, up.k_split = I, up.n_split = H, up.out0 = g.dx_rows;
+    up.row_tokens = g.row_tokens;  // tails (kTail)
     if (auto err = sm90::PrepareGemm<sm90::BwdGateUp>(up, {g.dgu, 2 * g.I, g.m},
                                                       {g.w_gate, I, g.groups * g.H},
                                                       {g.w_up, I, g.groups * g.H}))
