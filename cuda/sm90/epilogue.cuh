@@ -4,6 +4,7 @@
 // their whole output tile for TMA stores that the consumers do not wait for.
 #pragma once
 
+#include <type_traits>
 #include <utility>
 
 #include <cute/tensor.hpp>
@@ -363,6 +364,10 @@ __device__ __forceinline__ void StoreTileTma(const GemmParams& p, const GemmTile
   }
 }
 
+// The element that kStore (bf16) and kStoreF32 (f32) write.
+template <Epilogue kEpi>
+using PlainElement = std::conditional_t<kEpi == Epilogue::kStoreF32, float, __nv_bfloat16>;
+
 // A tail tile's tail (kTail; TailMma): warpgroup wg's two transposed 64 x kTailRows panels,
 // rounded to bf16 and stored a value at a time (kTailRows rows, a few KB a tile). The padding
 // rows after the group's last tail, up to m_end, then get zeros (ZeroTailPadding) in every
@@ -396,32 +401,21 @@ __device__ __forceinline__ void StoreTail(const GemmParams& p, const GemmTile& t
       }
       h[at] = __float2bfloat16_rn(Silu(g) * u);
     }
-  } else if constexpr (Kind::kEpi == Epilogue::kStore) {
+  } else {
+    // kStore (bf16, out0 | out1 at n_split) or kStoreF32 (f32, out0 only: n = n_split).
+    static_assert(Kind::kEpi == Epilogue::kStore || Kind::kEpi == Epilogue::kStoreF32);
+    using T = PlainElement<Kind::kEpi>;
     const int64_t pitch = p.n_split;
     CUTE_UNROLL
     for (int half = 0; half < 2; ++half) {
       // Panels never straddle n_split (a multiple of 64).
       const int c0 = tile.n_tile * C::kBlockN + 64 * (wg + 2 * half) + r0;
       if (c0 - r0 >= p.n) continue;
-      __nv_bfloat16* out = c0 < p.n_split ? out0 + row0 * pitch + c0
-                                          : out1 + row0 * pitch + (c0 - p.n_split);
-      CUTE_UNROLL
-      for (int v = 0; v < 8; ++v) {
-        out[(AccColStep(v) + v % 2) * pitch + AccRowStep(v)] =
-            __float2bfloat16_rn(half ? acc1(v) : acc0(v));
-      }
-    }
-  } else {
-    static_assert(Kind::kEpi == Epilogue::kStoreF32);
-    const int64_t pitch = p.n_split;  // out0 only (n = n_split)
-    CUTE_UNROLL
-    for (int half = 0; half < 2; ++half) {
-      const int c0 = tile.n_tile * C::kBlockN + 64 * (wg + 2 * half) + r0;
-      if (c0 - r0 >= p.n) continue;
-      float* out = static_cast<float*>(p.out0) + row0 * pitch + c0;
+      T* out = c0 < p.n_split ? static_cast<T*>(p.out0) + row0 * pitch + c0
+                              : static_cast<T*>(p.out1) + row0 * pitch + (c0 - p.n_split);
       CUTE_UNROLL
       for (int v = 0; v < 8; ++v)
-        out[(AccColStep(v) + v % 2) * pitch + AccRowStep(v)] = half ? acc1(v) : acc0(v);
+        out[(AccColStep(v) + v % 2) * pitch + AccRowStep(v)] = T(half ? acc1(v) : acc0(v));
     }
   }
 }
@@ -438,7 +432,7 @@ __device__ __forceinline__ void ZeroTailPadding(const GemmParams& p, const GemmT
   auto* out1 = static_cast<__nv_bfloat16*>(p.out1);
   const int64_t zero0 = tile.m0 + tile.tail_at + kTailRows;
   constexpr int kTileCols = kEpi == Epilogue::kSwiGLU ? C::kBlockN / 2 : C::kBlockN;
-  constexpr int kChunkCols = kEpi == Epilogue::kStoreF32 ? 4 : 8;
+  constexpr int kChunkCols = 16 / sizeof(PlainElement<kEpi>);  // kSwiGLU: bf16 too
   constexpr int kChunks = kTileCols / kChunkCols;
   const int cells = static_cast<int>(tile.m_end - zero0) * kChunks;  // under 128 rows' worth
   const uint4 zero = make_uint4(0, 0, 0, 0);
@@ -452,11 +446,10 @@ __device__ __forceinline__ void ZeroTailPadding(const GemmParams& p, const GemmT
         StoreGlobal128(out0 + row * 2 * p.n + p.n + c, zero);
       }
       StoreGlobal128(out1 + row * p.n + c, zero);
-    } else if constexpr (kEpi == Epilogue::kStoreF32) {
-      StoreGlobal128(static_cast<float*>(p.out0) + row * p.n_split + c, zero);
-    } else {
-      if (c < p.n_split) StoreGlobal128(out0 + row * p.n_split + c, zero);
-      else StoreGlobal128(out1 + row * p.n_split + c - p.n_split, zero);
+    } else {  // kStore, kStoreF32 (n = n_split)
+      using T = PlainElement<kEpi>;
+      if (c < p.n_split) StoreGlobal128(static_cast<T*>(p.out0) + row * p.n_split + c, zero);
+      else StoreGlobal128(static_cast<T*>(p.out1) + row * p.n_split + c - p.n_split, zero);
     }
   }
 }
