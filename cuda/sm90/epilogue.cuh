@@ -371,8 +371,9 @@ using PlainElement = std::conditional_t<kEpi == Epilogue::kStoreF32, float, __nv
 // A tail tile's tail (kTail; TailMma): warpgroup wg's two transposed 64 x kTailRows panels, in
 // the output's type (bf16, or f32 for dx_r), stored a value at a time (kTailRows rows, a few KB
 // a tile). The padding rows after the group's last tail, up to m_end, then get zeros
-// (ZeroTailPadding) in every output of the tile's columns, as the padding rows of a tile that multiplies them (zero rows
-// of A) would: the backward reads gu and h of padding rows, and multiplies them by zero.
+// (ZeroTailPadding) in every output of the tile's columns, as the padding rows of a tile that
+// multiplies them (zero rows of A) would: the backward reads gu and h of padding rows, and
+// multiplies them by zero.
 template <class Kind, class TailAcc>
 __device__ __forceinline__ void StoreTail(const GemmParams& p, const GemmTile& tile, int thread,
                                           const TailAcc& acc0, const TailAcc& acc1) {
