@@ -10,7 +10,8 @@ two in flight; a call's span is then the run's over the calls), which shows whic
 down at the power limit and whether the GPU idles between calls.
 Usage: python tools/ab/measure.py NAME SHAPES [MODES] (bench shapes, or tiny; the modes timed,
 fwd,fwd+bwd by default: one of them takes half the time); MOK_AB_BACKEND (default cuda) picks
-the backend, e.g. xla for a smoke run on a CPU."""
+the backend, e.g. xla for a smoke run on a CPU; MOK_AB_SKEW (default 0, uniform) the Zipf
+exponent of the routing, as the bench's --skew."""
 
 import collections
 import glob
@@ -141,10 +142,11 @@ def short(kernel):
 
 def layer_calls(shape_name, backend):
   """(jitted forward, jitted forward+backward (y and the gradients), their arguments) of the
-  bench shape `shape_name` (or tiny) on the bench's inputs (seed 0, uniform routing)."""
+  bench shape `shape_name` (or tiny) on the bench's inputs (seed 0; uniform routing, or the
+  bench's Zipf skew MOK_AB_SKEW)."""
   shape = {s.name: s for s in (*bench_shapes.SHAPES.values(), *bench_shapes.TINY)}[shape_name]
-  (wg, wu, wd, _), sets = bench_inputs.jax_inputs(shape, jnp.bfloat16, seed=0, skew=0.0,
-                                                  n_sets=1)
+  (wg, wu, wd, _), sets = bench_inputs.jax_inputs(
+      shape, jnp.bfloat16, seed=0, skew=float(os.environ.get("MOK_AB_SKEW", "0")), n_sets=1)
   x, experts, weights, dy = sets[0]
 
   def fwd(x, weights, wg, wu, wd):
