@@ -169,8 +169,9 @@ __device__ __forceinline__ void PlaceRowTile(const GemmParams& p, const int32_t*
                                              const int32_t* tail_first, int64_t first,
                                              int64_t rows, int64_t row, int col, GemmTile& t) {
   constexpr int kM = GemmConfig::kBlockM;
-  const int64_t tail = tail_first ? row - tail_first[t.group] : -1;
-  t.tail = tail_first && tail_first[t.group] >= 0 && tail >= 0;
+  const int64_t first_tail = tail_first ? tail_first[t.group] : -1;
+  const int64_t tail = row - first_tail;
+  t.tail = first_tail >= 0 && tail >= 0;
   t.tail_last = row == rows - 1;
   t.tail_at = static_cast<int>((rows - row) * kM + tail * kTailRows);
   t.n_tile = col;
