@@ -275,7 +275,7 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
       // own stores before async-proxy reads; the barrier puts all of them before thread 0's
       // release, which is cumulative: no thread needs a GPU-scope fence of its own.
       //
-      // NOTES: with a __threadfence in every thread as well (before 2026-11-30 23:00 UTC) the
+      // NOTES: with a __threadfence in every thread as well (before 68714e2) the
       // forward-MLP launch took qwen3_30b 1.899 / 1.900 ms against 1.877 / 1.878, gptoss_120b
       // 2.721 / 2.730 against 2.713 / 2.713, dsv3 the same (H200, two rounds, same bits;
       // results/h200/h200_publish_ab.txt).
