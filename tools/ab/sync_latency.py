@@ -9,13 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from measure import call_spans, mode_call, trace_events
+from measure import mode_call, trace_events
 
 CALLS = 20
 
 
 def profile(f, args, tag):
-  """Median ms of (wall, dispatch, GPU span, synchronisation) over CALLS synchronised calls."""
+  """(median ms of wall, dispatch, GPU span and synchronisation over the synchronised calls
+  whose kernels the trace holds, their count)."""
   for _ in range(5):
     jax.block_until_ready(f(*args))
   path = f"/tmp/sync_latency_{tag}"
@@ -34,19 +35,19 @@ def profile(f, args, tag):
     first, last = inside[0][0], max(k[1] for k in inside)
     rows.append((end - start, first - start, last - first, end - last))
   if not rows:
-    return np.full(4, np.nan), 0, 0
-  return np.median(np.array(rows), axis=0) / 1e3, len(rows), len(call_spans(kernels))
+    return np.full(4, np.nan), 0
+  return np.median(np.array(rows), axis=0) / 1e3, len(rows)
 
 
 def main(argv):
   mode = argv[1] if len(argv) > 1 else "fwd"
   f, args = mode_call(argv[0], mode)
-  layer, n, _ = profile(f, args, "layer")
+  layer, n = profile(f, args, "layer")
   # A dense matmul of about the layer's GPU time: 2 n^3 FLOPs at ~700 TFLOP/s.
   gpu_ms = layer[2] if np.isfinite(layer[2]) else 1.0
   size = max(256, int(round((gpu_ms * 1e-3 * 7e14 / 2) ** (1 / 3) / 256)) * 256)
   a = jnp.ones((size, size), jnp.bfloat16)
-  dot, m, _ = profile(jax.jit(jnp.dot), (a, a), "dot")
+  dot, m = profile(jax.jit(jnp.dot), (a, a), "dot")
   print(f"{argv[0]} {mode}: median ms of {CALLS} synchronised calls "
         "(wall, host start -> first kernel, GPU span, last kernel -> return)")
   print(f"  layer      {n:3d} calls  " + "  ".join(f"{v:7.3f}" for v in layer))
