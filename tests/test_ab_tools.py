@@ -108,3 +108,10 @@ def test_digest_follows_every_bit_and_position():
     swapped[[0, 1]] = swapped[[1, 0]]
     changed.add(digest(jnp.asarray(swapped)))
     assert len(changed) == 5, dtype
+
+
+def test_sync_latency_finds_its_calls():
+  env = dict(os.environ, MOK_AB_BACKEND="xla", JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, str(SCRIPT.parent / "sync_latency.py"), "tiny"],
+                       env=env, check=True, capture_output=True, text=True, timeout=300).stdout
+  assert out.splitlines() == ["no GPU kernels in the 20 calls traced"]  # a CPU run

@@ -16,7 +16,7 @@ CALLS = 20
 
 def profile(f, args, tag):
   """(median ms of wall, dispatch, GPU span and synchronisation over the synchronised calls
-  whose kernels the trace holds, their count)."""
+  that ran kernels, or None; how many calls the trace holds)."""
   for _ in range(5):
     jax.block_until_ready(f(*args))
   path = f"/tmp/sync_latency_{tag}"
@@ -30,28 +30,27 @@ def profile(f, args, tag):
   rows = []
   for start, end in calls:
     inside = [k for k in kernels if start <= k[0] <= end]
-    if not inside:
-      continue
-    first, last = inside[0][0], max(k[1] for k in inside)
-    rows.append((end - start, first - start, last - first, end - last))
-  if not rows:
-    return np.full(4, np.nan), 0
-  return np.median(np.array(rows), axis=0) / 1e3, len(rows)
+    if inside:
+      first, last = inside[0][0], max(k[1] for k in inside)
+      rows.append((end - start, first - start, last - first, end - last))
+  return (np.median(np.array(rows), axis=0) / 1e3 if rows else None), len(calls)
 
 
 def main(argv):
   mode = argv[1] if len(argv) > 1 else "fwd"
   f, args = mode_call(argv[0], mode)
-  layer, n = profile(f, args, "layer")
+  layer, calls = profile(f, args, "layer")
+  if layer is None:
+    print(f"no GPU kernels in the {calls} calls traced")
+    return
   # A dense matmul of about the layer's GPU time: 2 n^3 FLOPs at ~700 TFLOP/s.
-  gpu_ms = layer[2] if np.isfinite(layer[2]) else 1.0
-  size = max(256, int(round((gpu_ms * 1e-3 * 7e14 / 2) ** (1 / 3) / 256)) * 256)
+  size = max(256, int(round((layer[2] * 1e-3 * 7e14 / 2) ** (1 / 3) / 256)) * 256)
   a = jnp.ones((size, size), jnp.bfloat16)
-  dot, m = profile(jax.jit(jnp.dot), (a, a), "dot")
+  dot, _ = profile(jax.jit(jnp.dot), (a, a), "dot")
   print(f"{argv[0]} {mode}: median ms of {CALLS} synchronised calls "
         "(wall, host start -> first kernel, GPU span, last kernel -> return)")
-  print(f"  layer      {n:3d} calls  " + "  ".join(f"{v:7.3f}" for v in layer))
-  print(f"  dot {size:5d}  {m:3d} calls  " + "  ".join(f"{v:7.3f}" for v in dot))
+  for name, row in (("layer", layer), (f"dot {size}", dot)):
+    print(f"  {name:10s} " + "  ".join(f"{v:7.3f}" for v in row))
 
 
 if __name__ == "__main__":
