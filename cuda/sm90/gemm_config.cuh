@@ -27,8 +27,9 @@ struct GemmConfig {
   // can hand out: 48 and 232 (65,536) hung, the consumers waiting in setmaxnreg.inc.
   //
   // NOTES: with the forward's tails (kTail) the producer spills 16 bytes at 40 and the clustered
-  // consumers 72 bytes of stores (236 of loads) at 224 (ptxas, 2026-11-30, since tails spread
-  // over several row tiles: 60 and 212 before); measured so (docs/performance.md).
+  // consumers 36 bytes of stores (116 of loads) at 224, outside their k-loops (ptxas and the
+  // SASS, 2026-11-30, with the epilogue's copy-out rolled there: StagePass); measured so
+  // (docs/performance.md).
   static constexpr uint32_t kProducerRegs = 40;
   static constexpr uint32_t kConsumerRegs = 232;
   static constexpr uint32_t kClusterProducerRegs = 56;

@@ -325,7 +325,7 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
         WithSlot<kSlots>(i, [&](auto s) __attribute__((always_inline)) {
           constexpr int kSlot = decltype(s)::value;
           store_tail(s);  // first: its accumulators' registers are free for StoreTile's
-          StoreTile<SlotKind<Kind0, Kind1, kSlot>>(
+          StoreTile<SlotKind<Kind0, Kind1, kSlot>, (kClusterM > 1)>(
               c.gemm[kSlot], tile, smem, thread, {tile.m0 + wg * kWarpgroupRows, 0}, acc);
           zero_tail(s);
           publish(s);
@@ -355,7 +355,7 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
         WithSlot<kSlots>(i, [&](auto s) __attribute__((always_inline)) {
           constexpr int kSlot = decltype(s)::value;
           store_tail(s);
-          StoreTile<SlotKind<Kind0, Kind1, kSlot>>(
+          StoreTile<SlotKind<Kind0, Kind1, kSlot>, (kClusterM > 1)>(
               c.gemm[kSlot], tile, smem, thread,
               {tile.m0 + a_block * kWarpgroupRows, part}, acc);
           zero_tail(s);
