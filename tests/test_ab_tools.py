@@ -115,3 +115,55 @@ def test_sync_latency_finds_its_calls():
   out = subprocess.run([sys.executable, str(SCRIPT.parent / "sync_latency.py"), "tiny"],
                        env=env, check=True, capture_output=True, text=True, timeout=300).stdout
   assert out.splitlines() == ["no GPU kernels in the 20 calls traced"]  # a CPU run
+
+
+def _sass():
+  sys.path.insert(0, str(SCRIPT.parent))
+  try:
+    import sass  # pylint: disable=import-outside-toplevel
+  finally:
+    sys.path.pop(0)
+  return sass
+
+
+# A cuobjdump -sass excerpt: kernel k, whose k-loop (0x0030-0x0070) holds an LDL, and whose
+# tile loop around it (0x0010-0x0090) a STL; kernel j has no loop.
+DUMP = """
+\t\tFunction : k
+        /*0000*/                   MOV R1, c[0x0][0x28] ;          /* 0x0 */
+        /*0010*/                   STL [R1], R2 ;                  /* 0x0 */
+        /*0020*/                   IMAD R3, R3, 0x2, RZ ;          /* 0x0 */
+        /*0030*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [R4], R5 ; /* 0x0 */
+        /*0040*/              @!P1 LDL R6, [R1+0x4] ;              /* 0x0 */
+        /*0050*/                   HGMMA.64x256x16.F32.BF16 R24, gdesc[UR12].tnspB, R24 ; /* 0x0 */
+        /*0060*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ; /* 0x0 */
+        /*0070*/              @!P2 BRA 0x30 ;                      /* 0x0 */
+        /*0080*/                   LDL R7, [R1] ;                  /* 0x0 */
+        /*0090*/              @!P3 BRA 0x10 ;                      /* 0x0 */
+        /*00a0*/                   EXIT ;                          /* 0x0 */
+\t\tFunction : j
+        /*0000*/                   EXIT ;                          /* 0x0 */
+"""
+
+
+def test_sass_spills_says_which_run_in_a_k_loop():
+  (k, count, loops, found), (j, count_j, loops_j, found_j) = _sass().spills(DUMP)
+  assert (k, count, j, count_j) == ("k", 11, "j", 1)
+  assert loops == [(0x30, 0x70, 5)] and loops_j == [] and found_j == []
+  assert [(a, t.split()[-3 if t.startswith("@") else 0], hot) for a, t, hot in found] == [
+      (0x10, "STL", False), (0x40, "LDL", True), (0x80, "LDL", False)]
+
+
+def test_sass_stalls_sums_samples_by_reason_and_loop():
+  head = ["Address", "Source", "Warp Stall Sampling (All Samples)", "stall_long_sb",
+          "stall_barrier", "stall_long_sb (Not Issued)"]
+  rows = [["Kernel Name", "k"], head,
+          ["0x7f00", "MOV R1, c[0x0][0x28]", "10", "0", "10", "0"],
+          ["0x7f10", "SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [R4], R5", "60", "55", "5", "9"],
+          ["0x7f20", "HGMMA.64x256x16.F32.BF16 R24, gdesc[UR12].tnspB, R24", "20", "0", "20", "0"],
+          ["0x7f30", "@!P2 BRA 0x7f10", "10", "10", "0", "0"]]
+  total, by_reason, in_loops, top = _sass().stalls(rows)
+  assert total == 100 and by_reason == {"long_sb": 65, "barrier": 35}
+  assert in_loops == 0.9  # the loop 0x7f10-0x7f30
+  assert [(s, a) for s, a, _, _ in top[:2]] == [(60, 0x10), (20, 0x20)]
+  assert top[0][3] == ["long_sb", "barrier"]
