@@ -2,6 +2,7 @@
 the bits of y and of every gradient and the wall-clock medians (per call and back to back), and
 the same bits when run again."""
 
+import importlib
 import os
 import pathlib
 import subprocess
@@ -38,20 +39,20 @@ def test_measure_times_the_modes_asked():
   assert len([f for f in out if f[2] == "bits"]) == 1
 
 
-def _measure():
+def _tool(name):
+  """tools/ab/<name>.py as a module."""
   sys.path.insert(0, str(SCRIPT.parent))
   try:
-    import measure  # pylint: disable=import-outside-toplevel
+    return importlib.import_module(name)
   finally:
     sys.path.pop(0)
-  return measure
 
 
 def test_short_kernel_names():
   def kind(a, b, epi, sched):
     return (f"mok::sm90::GemmKind<(cute::SM90::GMMA::Major){a}, (cute::SM90::GMMA::Major){b}, "
             f"(mok::sm90::Epilogue){epi}, (mok::sm90::Schedule){sched}>")
-  short = _measure().short
+  short = _tool("measure").short
   down, gate_up, weights = kind(0, 0, 3, 0), kind(0, 0, 1, 0), kind(1, 1, 0, 1)
   assert short(f"void mok::sm90::GemmChainKernel<{down}, {down}, 4>(mok::sm90::ChainParams)") == (
       "gemm0030")
@@ -61,7 +62,7 @@ def test_short_kernel_names():
 
 
 def test_call_spans():
-  measure = _measure()
+  measure = _tool("measure")
   # Two calls: kernels 0-10, 12-30 (a 2 us gap) and 25-28 (overlapping); then 200-250.
   launches = [(0.0, 10.0), (12.0, 30.0), (25.0, 28.0), (200.0, 250.0)]
   assert measure.call_spans(launches) == [30.0, 50.0]
@@ -93,7 +94,7 @@ def test_host_timeline_lists_host_events():
 def test_digest_follows_every_bit_and_position():
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
-  digest = _measure().digest
+  digest = _tool("measure").digest
   rng = np.random.default_rng(0)
   for dtype in (jnp.bfloat16, jnp.float32):
     a = jnp.asarray(rng.standard_normal((64, 48)), dtype)
@@ -117,15 +118,6 @@ def test_sync_latency_finds_its_calls():
   assert out.splitlines() == ["no GPU kernels in the 20 calls traced"]  # a CPU run
 
 
-def _sass():
-  sys.path.insert(0, str(SCRIPT.parent))
-  try:
-    import sass  # pylint: disable=import-outside-toplevel
-  finally:
-    sys.path.pop(0)
-  return sass
-
-
 # A cuobjdump -sass excerpt: kernel k, whose k-loop (0x0030-0x0070) holds an LDL, and whose
 # tile loop around it (0x0010-0x0090) a STL; kernel j has no loop.
 DUMP = """
@@ -147,7 +139,7 @@ DUMP = """
 
 
 def test_sass_spills_says_which_run_in_a_k_loop():
-  (k, count, loops, found), (j, count_j, loops_j, found_j) = _sass().spills(DUMP)
+  (k, count, loops, found), (j, count_j, loops_j, found_j) = _tool("sass").spills(DUMP)
   assert (k, count, j, count_j) == ("k", 11, "j", 1)
   assert loops == [(0x30, 0x70, 5)] and loops_j == [] and found_j == []
   assert [(a, t.split()[-3 if t.startswith("@") else 0], hot) for a, t, hot in found] == [
@@ -162,7 +154,7 @@ def test_sass_stalls_sums_samples_by_reason_and_loop():
           ["0x7f10", "SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [R4], R5", "60", "55", "5", "9"],
           ["0x7f20", "HGMMA.64x256x16.F32.BF16 R24, gdesc[UR12].tnspB, R24", "20", "0", "20", "0"],
           ["0x7f30", "@!P2 BRA 0x7f10", "10", "10", "0", "0"]]
-  total, by_reason, in_loops, top = _sass().stalls(rows)
+  total, by_reason, in_loops, top = _tool("sass").stalls(rows)
   assert total == 100 and by_reason == {"long_sb": 65, "barrier": 35}
   assert in_loops == 0.9  # the loop 0x7f10-0x7f30
   assert [(s, a) for s, a, _, _ in top[:2]] == [(60, 0x10), (20, 0x20)]
