@@ -106,6 +106,8 @@ def stalls(rows):
 
 
 def main(argv):
+  if len(argv) != 2 or argv[0] not in ("spills", "stalls"):
+    raise SystemExit(__doc__)
   what, path = argv
   if what == "spills":
     for name, count, loops, found in spills(open(path).read()):
@@ -113,14 +115,12 @@ def main(argv):
             + ", ".join(f"{s:#x}-{e:#x} ({n})" for s, e, n in loops))
       for a, t, hot in found:
         print(f"  {a:#07x} {t:40s} {'IN A K-LOOP' if hot else ''}")
-  elif what == "stalls":
+  else:
     total, by_reason, loops, top = stalls(list(csv.reader(open(path))))
     print(f"{total:.0f} samples; in k-loops {100 * loops:.1f}%")
     print("  " + ", ".join(f"{r} {100 * v / total:.1f}%" for r, v in by_reason.most_common(10)))
     for s, a, t, why in top[:25]:
       print(f"  {100 * s / total:5.2f}%  {a:#07x}  {t[:56]:56s} {' '.join(why)}")
-  else:
-    raise SystemExit(__doc__)
 
 
 if __name__ == "__main__":
