@@ -97,18 +97,13 @@ __device__ __forceinline__ void StagePass(bf16_t* stage, int wg_thread, uint32_t
   const int chunk = wg_thread % 8, r1 = wg_thread / 8;
   const ChunkDst out = dst(chunk);
   if (out.p == nullptr) return;
-  auto copy = [&](int q) __attribute__((always_inline)) {
+  constexpr int kCopies = kWarpgroupRows / 16;
+#pragma unroll(kRolledCopy ? 1 : kCopies)
+  for (int q = 0; q < kCopies; ++q) {
     const int r = r1 + 16 * q;
     if (row0 + r < m_end)
       StoreGlobal128(out.p + (row0 + r) * out.pitch,
                      LoadShared128(base + 2 * StageIndex(r, chunk)));
-  };
-  if constexpr (kRolledCopy) {
-#pragma unroll 1
-    for (int q = 0; q < kWarpgroupRows / 16; ++q) copy(q);
-  } else {
-    CUTE_UNROLL
-    for (int q = 0; q < kWarpgroupRows / 16; ++q) copy(q);
   }
 }
 
