@@ -25,12 +25,10 @@
 #include <cute/tensor.hpp>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
-#include "ptx.cuh"
+#include "epilogue.cuh"  // Silu, and through it the layer's PTX wrappers and bf16_t
 #include "tensor_map.h"
 using namespace cute;
-using bf16_t = cute::bfloat16_t;
 using namespace mok::sm90;
-__device__ __forceinline__ float Silu(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
 
 template <int BM, int BN, int STAGES>
 struct Cfg {
