@@ -70,16 +70,8 @@ struct ChunkDst {
 // of the pass (u = 4 chunk + 2 half: its row AccRow + 8 half, columns AccCol + 8 chunk of the
 // pass); dst(chunk) says where 16-byte chunk `chunk` of the pass's columns goes. Rows from
 // m_end on are not stored. A thread copies out the same chunk of rows r, r + 16, r + 32,
-// r + 48: one destination and one bounds check of the columns per pass. kRolledCopy keeps that
-// copy a loop (the clustered launches, whose consumers have 224 registers, not 232).
-//
-// NOTES: unrolled in the clustered launches, ptxas spilled 72 / 236 bytes there (36 / 116
-// rolled; the spills sit outside the k-loop either way) and the forward-MLP launch took
-// gptoss_120b 2.673 / 2.680 ms against 2.651 rolled, dsv3 5.799 / 5.804 against 5.734 / 5.726;
-// back to back 3.015 / 3.012 against 2.974 / 2.978 and 6.133 / 6.111 against 6.027 / 6.052.
-// Rolled in the unclustered launch, qwen3_30b's took 1.854 / 1.853 against 1.883 / 1.881 (H200,
-// 2026-11-30, two rounds, same bits; results/h200/h200_rolled_copy_ab.txt).
-template <bool kRolledCopy, class Pair, class Dst>
+// r + 48: one destination and one bounds check of the columns per pass.
+template <class Pair, class Dst>
 __device__ __forceinline__ void StagePass(bf16_t* stage, int wg_thread, uint32_t barrier,
                                           int64_t row0, int64_t m_end, Pair pair, Dst dst) {
   const int r0 = AccRow(wg_thread), c0 = AccCol(wg_thread);
@@ -98,7 +90,7 @@ __device__ __forceinline__ void StagePass(bf16_t* stage, int wg_thread, uint32_t
   const ChunkDst out = dst(chunk);
   if (out.p == nullptr) return;
   constexpr int kCopies = kWarpgroupRows / 16;
-#pragma unroll(kRolledCopy ? 1 : kCopies)
+  CUTE_UNROLL
   for (int q = 0; q < kCopies; ++q) {
     const int r = r1 + 16 * q;
     if (row0 + r < m_end)
@@ -107,14 +99,26 @@ __device__ __forceinline__ void StagePass(bf16_t* stage, int wg_thread, uint32_t
   }
 }
 
-// bf16 tiles (kStore, kSwiGLU) through the staging tile, 64 columns at a time.
-template <class Kind, bool kRolledCopy, class Smem, class Accum>
+// bf16 tiles (kStore, kSwiGLU) through the staging tile, 64 columns at a time. kLateAddresses
+// hides the thread index from ptxas (Opaque), so that the staging and copy-out addresses are
+// computed here, each tile, rather than hoisted out of the tile loop and held across the k-loops:
+// for the clustered launches, whose consumers have 224 registers, not 232, and spilled for them.
+//
+// NOTES: the forward-MLP launch's GPU ms (H200, 2026-12-01 00:40 UTC, two rounds, same bits;
+// results/h200/h200_opaque_ab.txt), main (the copy-out a loop in clustered launches) against
+// Opaque in every launch (wip/ou caf6609): gptoss_120b 2.657 / 2.655 -> 2.640 / 2.646, back to back
+// 2.973 / 2.952 -> 2.895 / 2.869; dsv3 5.634 / 5.636 -> 5.590 / 5.596; but the unclustered
+// qwen3_30b 1.883 / 1.882 -> 1.916 / 1.913 (it spilled nothing; 6% more instructions). Keeping
+// the copy-out a loop as well (wip/oe f918498) gained nothing at full clock and lost 1.4-2.4% on
+// gptoss_120b back to back.
+template <class Kind, bool kLateAddresses, class Smem, class Accum>
 __device__ __forceinline__ void StageAndStore(const GemmParams& p, const GemmTile& tile,
                                               Smem& smem, int thread, WarpgroupPart part,
                                               const Accum& acc) {
   using C = GemmConfig;
   constexpr Epilogue kEpi = Kind::kEpi;
   constexpr int kCols = AccCols<Accum>();
+  if constexpr (kLateAddresses) thread = Opaque(thread);
   const int wg = thread / 128, wg_thread = thread % 128;
   const uint32_t barrier = 2 + wg;
   bf16_t* stage = smem.stage[wg];
@@ -125,7 +129,7 @@ __device__ __forceinline__ void StageAndStore(const GemmParams& p, const GemmTil
     auto* out1 = static_cast<__nv_bfloat16*>(p.out1);
     CUTE_UNROLL
     for (int pass = 0; pass < kCols / kStageCols; ++pass) {
-      StagePass<kRolledCopy>(stage, wg_thread, barrier, row0, tile.m_end,
+      StagePass(stage, wg_thread, barrier, row0, tile.m_end,
                 [&](int u) { return PackBf16(acc(32 * pass + u), acc(32 * pass + u + 1)); },
                 [&](int chunk) -> ChunkDst {
                   // 8-column chunks never straddle n_split (a multiple of 64).
@@ -152,7 +156,7 @@ __device__ __forceinline__ void StageAndStore(const GemmParams& p, const GemmTil
       CUTE_UNROLL
       for (int pass = 0; pass < kCols / kStageCols; ++pass) {
         const int64_t half_base = pass < kHalfPasses ? 0 : p.n;  // gate or up half of a gu row
-        StagePass<kRolledCopy>(stage, wg_thread, barrier, row0, tile.m_end,
+        StagePass(stage, wg_thread, barrier, row0, tile.m_end,
                   [&](int u) { return PackBf16(acc(32 * pass + u), acc(32 * pass + u + 1)); },
                   [&](int chunk) -> ChunkDst {
                     const int64_t col = col0 + (pass % kHalfPasses) * kStageCols + chunk * 8;
@@ -162,7 +166,7 @@ __device__ __forceinline__ void StageAndStore(const GemmParams& p, const GemmTil
     }
     CUTE_UNROLL
     for (int pass = 0; pass < kHalfPasses; ++pass) {
-      StagePass<kRolledCopy>(stage, wg_thread, barrier, row0, tile.m_end,
+      StagePass(stage, wg_thread, barrier, row0, tile.m_end,
                 [&](int u) {
                   const int v = 32 * pass + u;
                   return PackBf16(Silu(acc(v)) * acc(v + kUp), Silu(acc(v + 1)) * acc(v + kUp + 1));
@@ -465,7 +469,7 @@ __device__ __forceinline__ void ZeroTailPadding(const GemmParams& p, const GemmT
 }
 
 // thread: index among the 256 consumer threads; acc: its warpgroup's part of the tile.
-template <class Kind, bool kRolledCopy = false, class Smem, class Accum>
+template <class Kind, bool kLateAddresses = false, class Smem, class Accum>
 __device__ __forceinline__ void StoreTile(const GemmParams& p, const GemmTile& tile,
                                           Smem& smem, int thread, WarpgroupPart part,
                                           const Accum& acc) {
@@ -480,7 +484,7 @@ __device__ __forceinline__ void StoreTile(const GemmParams& p, const GemmTile& t
     SwiGLUBwdStaged(p, tile, smem, thread, part, acc);
   } else {
     static_assert(Kind::kSched == Schedule::kRowsByGroup, "grouped outputs are TMA-stored");
-    StageAndStore<Kind, kRolledCopy>(p, tile, smem, thread, part, acc);
+    StageAndStore<Kind, kLateAddresses>(p, tile, smem, thread, part, acc);
   }
 }
 

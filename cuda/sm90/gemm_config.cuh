@@ -26,10 +26,10 @@ struct GemmConfig {
   // all of the 168 x 384 registers the launch gives a CTA (64,512), which is all setmaxnreg
   // can hand out: 48 and 232 (65,536) hung, the consumers waiting in setmaxnreg.inc.
   //
-  // NOTES: with the forward's tails (kTail) the producer spills 16 bytes at 40 and the clustered
-  // consumers 36 bytes of stores (116 of loads) at 224, outside their k-loops (ptxas and the
-  // SASS, 2026-11-30, with the epilogue's copy-out rolled there: StagePass); measured so
-  // (docs/performance.md).
+  // NOTES: with the forward's tails (kTail) the producer spills 16 bytes at 40; the clustered
+  // consumers at 224 spilled 72 / 236 bytes (stores / loads) outside their k-loops until the
+  // epilogue computed its addresses late (StageAndStore's kLateAddresses): none since (ptxas and
+  // the SASS, 2026-12-01; docs/performance.md).
   static constexpr uint32_t kProducerRegs = 40;
   static constexpr uint32_t kConsumerRegs = 232;
   static constexpr uint32_t kClusterProducerRegs = 56;

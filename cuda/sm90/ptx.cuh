@@ -315,6 +315,13 @@ __device__ __forceinline__ void PrefetchTmaDescriptor(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
 
+// v, unknown to the compiler from here on: what is computed from it is computed after this
+// point, not hoisted out of the loop around it (where it would hold registers across the k-loops).
+__device__ __forceinline__ int Opaque(int v) {
+  asm volatile("" : "+r"(v));
+  return v;
+}
+
 template <uint32_t kRegs>
 __device__ __forceinline__ void SetMaxRegistersDec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegs));
