@@ -1,7 +1,8 @@
-// GEMM epilogues. Outputs (bf16 and f32) go through a swizzled shared-memory staging tile to
-// coalesced 16-byte global stores (each consumer warpgroup stages and stores its own 64 rows),
-// and the SwiGLU backward brings its gu in through it the same way; the weight gradients stage
-// their whole output tile for TMA stores that the consumers do not wait for.
+// GEMM epilogues. Outputs go through a swizzled shared-memory staging tile (each consumer
+// warpgroup stages its own 64 rows): bf16 ones to TMA stores that the consumers do not wait for
+// (the weight gradients stage their whole output tile for them, the others 64 columns at a
+// time), f32 ones to coalesced 16-byte global stores; the SwiGLU backward brings its gu in
+// through it the same way.
 #pragma once
 
 #include <type_traits>
@@ -59,24 +60,20 @@ __device__ __forceinline__ int StageIndex(int r, int chunk) {
   return r * kStageCols + ((chunk ^ (r % 8)) << 3);
 }
 
-// Where a staged 16-byte chunk goes: chunk `chunk` of output row `row` is at p + row * pitch
-// (p null: nowhere).
-struct ChunkDst {
-  __nv_bfloat16* p;
-  int64_t pitch;
-};
-
 // One staging pass over 64 of the tile's columns: pair(u) packs this thread's values u, u + 1
 // of the pass (u = 4 chunk + 2 half: its row AccRow + 8 half, columns AccCol + 8 chunk of the
-// pass); dst(chunk) says where 16-byte chunk `chunk` of the pass's columns goes. Rows from
-// m_end on are not stored. A thread copies out the same chunk of rows r, r + 16, r + 32,
-// r + 48: one destination and one bounds check of the columns per pass.
-template <class Pair, class Dst>
+// pass); store(src) then has the warpgroup's first thread hand the staged (64 columns, 64 rows)
+// box at shared address src to a TMA store, which the warpgroup does not wait for: the
+// staging's 128-byte swizzle (StageIndex) is the tensor map's. The next pass (or tile) waits
+// only until that store has read the staging.
+template <class Pair, class Store>
 __device__ __forceinline__ void StagePass(bf16_t* stage, int wg_thread, uint32_t barrier,
-                                          int64_t row0, int64_t m_end, Pair pair, Dst dst) {
+                                          Pair pair, Store store) {
   const int r0 = AccRow(wg_thread), c0 = AccCol(wg_thread);
   const uint32_t base = SmemAddr(stage);
-  NamedBarrierSync(barrier, 128);  // the warpgroup's reads of the previous pass are done
+  const bool storer = wg_thread == 0;
+  if (storer) BulkWaitRead<0>();  // the last pass's store has read the staging
+  NamedBarrierSync(barrier, 128);
   CUTE_UNROLL
   for (int chunk = 0; chunk < 8; ++chunk) {
     CUTE_UNROLL
@@ -85,24 +82,23 @@ __device__ __forceinline__ void StagePass(bf16_t* stage, int wg_thread, uint32_t
       StoreShared32(base + 2 * (StageIndex(r, chunk) + c0), pair(4 * chunk + 2 * half));
     }
   }
+  FenceProxyAsyncShared();  // the writes, before the async proxy reads them
   NamedBarrierSync(barrier, 128);
-  const int chunk = wg_thread % 8, r1 = wg_thread / 8;
-  const ChunkDst out = dst(chunk);
-  if (out.p == nullptr) return;
-  constexpr int kCopies = kWarpgroupRows / 16;
-  CUTE_UNROLL
-  for (int q = 0; q < kCopies; ++q) {
-    const int r = r1 + 16 * q;
-    if (row0 + r < m_end)
-      StoreGlobal128(out.p + (row0 + r) * out.pitch,
-                     LoadShared128(base + 2 * StageIndex(r, chunk)));
+  if (storer) {
+    store(base);
+    BulkCommitGroup();
   }
 }
 
-// bf16 tiles (kStore, kSwiGLU) through the staging tile, 64 columns at a time. kLateAddresses
-// hides the thread index from ptxas (Opaque), so that the staging and copy-out addresses are
-// computed here, each tile, rather than hoisted out of the tile loop and held across the k-loops:
-// for the clustered launches, whose consumers have 224 registers, not 232, and spilled for them.
+// bf16 tiles (kStore, kSwiGLU) through the staging tile, 64 columns at a time, as TMA stores of
+// (64 columns, 64 rows) boxes (the tensor maps o0, o1: PrepareGemm). A warpgroup's 64 rows
+// from row0 lie within its group's rows or not at all: groups start at multiples of block_m
+// (64 or 128) and a tile's rows at multiples of 64 within its group, so a box never reaches
+// into the next group's rows (rows past the tensor, the shared expert's last, are clipped).
+// kLateAddresses hides the thread index from ptxas (Opaque), so that the staging addresses are
+// computed here, each tile, rather than hoisted out of the tile loop and held across the
+// k-loops: for the clustered launches, whose consumers have 224 registers, not 232, and spilled
+// for them.
 //
 // NOTES: the forward-MLP launch's GPU ms (H200, 2026-12-01 00:40 UTC, two rounds, same bits;
 // results/h200/h200_opaque_ab.txt), main (the copy-out a loop in clustered launches) against
@@ -122,59 +118,51 @@ __device__ __forceinline__ void StageAndStore(const GemmParams& p, const GemmTil
   const int wg = thread / 128, wg_thread = thread % 128;
   const uint32_t barrier = 2 + wg;
   bf16_t* stage = smem.stage[wg];
-  const int64_t row0 = part.row0;
+  if (part.row0 >= tile.m_end) return;  // uniform over the warpgroup: a half tile's other half
+  const int32_t row = static_cast<int32_t>(part.row0);
   if constexpr (kEpi == Epilogue::kStore) {
-    const int64_t col0 = int64_t{tile.n_tile} * C::kBlockN + part.part * kCols;
-    auto* out0 = static_cast<__nv_bfloat16*>(p.out0);
-    auto* out1 = static_cast<__nv_bfloat16*>(p.out1);
+    // One output (PrepareGemm: n_split = n).
+    const int col0 = tile.n_tile * C::kBlockN + part.part * kCols;
     CUTE_UNROLL
     for (int pass = 0; pass < kCols / kStageCols; ++pass) {
-      StagePass(stage, wg_thread, barrier, row0, tile.m_end,
+      const int col = col0 + pass * kStageCols;
+      if (col >= p.n) break;  // uniform: the columns past n of a narrow or last tile
+      StagePass(stage, wg_thread, barrier,
                 [&](int u) { return PackBf16(acc(32 * pass + u), acc(32 * pass + u + 1)); },
-                [&](int chunk) -> ChunkDst {
-                  // 8-column chunks never straddle n_split (a multiple of 64).
-                  const int64_t col = col0 + pass * kStageCols + chunk * 8;
-                  if (col >= p.n) return {nullptr, 0};
-                  return {col < p.n_split ? out0 + col : out1 + (col - p.n_split), p.n_split};
-                });
+                [&](uint32_t src) { TmaStore2d(&p.o0, src, col, row); });
     }
   } else {
     static_assert(kEpi == Epilogue::kSwiGLU);
     // Accumulator columns [0, kCols / 2) are gate, the rest up: value v + kCols / 4 is the up
-    // partner of gate value v. gu gets [g | u] (gate columns at col0, up columns at n + col0),
-    // h gets silu(g) * u from the f32 values.
+    // partner of gate value v. gu (o0) gets [g | u] (gate columns at col0, up columns at n +
+    // col0), h (o1) gets silu(g) * u from the f32 values.
     constexpr int kHalfPasses = kCols / 2 / kStageCols;
     constexpr int kUp = kCols / 4;
-    const int64_t col0 = int64_t{tile.n_tile} * (C::kBlockN / 2) + part.part * (kCols / 2);
-    auto* gu = static_cast<__nv_bfloat16*>(p.out0);
-    auto* h = static_cast<__nv_bfloat16*>(p.out1);
+    const int col0 = tile.n_tile * (C::kBlockN / 2) + part.part * (kCols / 2);
     // gu null: gu is not kept (the forward with Config.recompute, or not differentiated), so
     // its four staging passes are skipped. h does not depend on them: it comes from the f32
-    // accumulators, not from the rounded gu. Uniform over the CTA, and the first h pass's
-    // barrier still orders this tile's staging after the previous tile's reads.
-    if (gu != nullptr) {
+    // accumulators, not from the rounded gu.
+    if (p.out0 != nullptr) {
       CUTE_UNROLL
       for (int pass = 0; pass < kCols / kStageCols; ++pass) {
-        const int64_t half_base = pass < kHalfPasses ? 0 : p.n;  // gate or up half of a gu row
-        StagePass(stage, wg_thread, barrier, row0, tile.m_end,
+        const int col = col0 + (pass % kHalfPasses) * kStageCols;
+        if (col >= p.n) continue;  // uniform
+        const int half_base = pass < kHalfPasses ? 0 : p.n;  // gate or up half of a gu row
+        StagePass(stage, wg_thread, barrier,
                   [&](int u) { return PackBf16(acc(32 * pass + u), acc(32 * pass + u + 1)); },
-                  [&](int chunk) -> ChunkDst {
-                    const int64_t col = col0 + (pass % kHalfPasses) * kStageCols + chunk * 8;
-                    return {col < p.n ? gu + half_base + col : nullptr, 2 * int64_t{p.n}};
-                  });
+                  [&](uint32_t src) { TmaStore2d(&p.o0, src, half_base + col, row); });
       }
     }
     CUTE_UNROLL
     for (int pass = 0; pass < kHalfPasses; ++pass) {
-      StagePass(stage, wg_thread, barrier, row0, tile.m_end,
+      const int col = col0 + pass * kStageCols;
+      if (col >= p.n) break;  // uniform
+      StagePass(stage, wg_thread, barrier,
                 [&](int u) {
                   const int v = 32 * pass + u;
                   return PackBf16(Silu(acc(v)) * acc(v + kUp), Silu(acc(v + 1)) * acc(v + kUp + 1));
                 },
-                [&](int chunk) -> ChunkDst {
-                  const int64_t col = col0 + pass * kStageCols + chunk * 8;
-                  return {col < p.n ? h + col : nullptr, int64_t{p.n}};
-                });
+                [&](uint32_t src) { TmaStore2d(&p.o1, src, col, row); });
     }
   }
 }

@@ -85,6 +85,9 @@ struct GemmKind {
   // measured 3-5% slower). Three stages everywhere made the forward slower (qwen3_30b 2.61 ->
   // 2.83 ms).
   static constexpr bool kTmaStore = kEpi_ == Epilogue::kStore && kSched_ == Schedule::kGroupedK;
+  // The bf16 outputs that leave through TMA stores (o0, o1): the weight gradients' (kTmaStore)
+  // and the forward's (StageAndStore); not the f32 dx_r nor the SwiGLU backward's.
+  static constexpr bool kStoresByTma = kEpi_ == Epilogue::kStore || kEpi_ == Epilogue::kSwiGLU;
   // The weight gradients' stages are half as deep (32 of k) and twice as many, in the same
   // 144 KB: with 48 KB stages the producer could refill only one while the consumers held two,
   // and the consumers waited for a stage's bytes in 28% of their samples (ncu, gptoss_120b,
@@ -130,8 +133,9 @@ struct GemmParams {
   CUtensorMap a_half;
   CUtensorMap b0_half;
   CUtensorMap b1_half;
-  // kTmaStore: out0 and out1 for TMA stores of (32 columns, 64 rows) boxes, all groups' rows
-  // group after group.
+  // kStoresByTma: out0 and out1 for TMA stores; kTmaStore: (32 columns, 64 rows) boxes, all
+  // groups' rows group after group; kRowsByGroup: (64 columns, 64 rows) boxes (o0 of kSwiGLU:
+  // gu, when kept).
   CUtensorMap o0;
   CUtensorMap o1;
   CUtensorMap a_tail;       // kTail: A in boxes of kTailRows rows

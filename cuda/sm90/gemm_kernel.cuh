@@ -151,9 +151,10 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
           PrefetchTmaDescriptor(&p.b0_half);
           if (uses_b1) PrefetchTmaDescriptor(&p.b1_half);
         }
-        if (Kind0::kTmaStore) {
-          PrefetchTmaDescriptor(&p.o0);
-          if (p.n > p.n_split) PrefetchTmaDescriptor(&p.o1);
+        using Kind = SlotKind<Kind0, Kind1, kSlot>;
+        if constexpr (Kind::kStoresByTma) {
+          if (p.out0) PrefetchTmaDescriptor(&p.o0);
+          if (Kind::kEpi == Epilogue::kSwiGLU || p.n > p.n_split) PrefetchTmaDescriptor(&p.o1);
         }
       });
     }
@@ -271,9 +272,11 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
         continue;
       }
       // After a tile's stores: if another slot reads these rows with TMA, publish them once all
-      // 256 threads' stores are visible to the async proxy at GPU scope. Each thread orders its
-      // own stores before async-proxy reads; the barrier puts all of them before thread 0's
-      // release, which is cumulative: no thread needs a GPU-scope fence of its own.
+      // 256 threads' stores are visible to the async proxy at GPU scope. Each warpgroup's TMA
+      // stores (StageAndStore) have completed when its storer's wait returns, and each thread
+      // orders its own plain stores (a tail's) before async-proxy reads; the barrier puts all
+      // of them before thread 0's release, which is cumulative: no thread needs a GPU-scope
+      // fence of its own.
       //
       // NOTES: with a __threadfence in every thread as well (before 68714e2) the
       // forward-MLP launch took qwen3_30b 1.899 / 1.900 ms against 1.877 / 1.878, gptoss_120b
@@ -282,6 +285,7 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
       auto publish = [&](auto s) __attribute__((always_inline)) {
         constexpr int kSlot = decltype(s)::value;
         if (!Kind0::kTmaStore && c.ready_base[kSlot] >= 0) {
+          if (thread % 128 == 0) BulkWaitAll();
           FenceProxyAsyncGlobal();
           NamedBarrierSync(1, kConsumerThreads);
           if (thread == 0) AddRelease(c.ready + c.ready_base[kSlot] + tile.row_tile, 1);
@@ -364,7 +368,7 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
       }
     }
     // The staging must outlive the last TMA stores' reads of it.
-    if (Kind0::kTmaStore && thread % 128 == 0) BulkWaitAll();
+    if (thread % 128 == 0) BulkWaitAll();
   }
   if (next) {
     // Every stage has been consumed and every store has read its staging. The next chain lays

@@ -126,6 +126,19 @@ const char* PrepareGemm(GemmParams& p, const Matrix& a, const Matrix& b0, const 
     };
     if (!out_map(&p.o0, p.out0) || (p.n > p.n_split && !out_map(&p.o1, p.out1)))
       return "cuTensorMapEncodeTiled refused a GEMM output";
+  } else if constexpr (Kind::kStoresByTma) {
+    // Row-grouped (StageAndStore): (64 columns, 64 rows) boxes in the staging's 128-byte
+    // swizzle over the m_total rows; kStore writes one output, kSwiGLU gu (if kept) and h.
+    static_assert(Kind::kSched == Schedule::kRowsByGroup);
+    if (Kind::kEpi == Epilogue::kStore && p.n_split != p.n)
+      return "a row-grouped bf16 GEMM writes one output (n_split = n)";
+    const int64_t o0_cols = Kind::kEpi == Epilogue::kSwiGLU ? 2 * int64_t{p.n} : p.n;
+    auto out_map = [&](CUtensorMap* map, const void* base, int64_t cols) {
+      return MakeTensorMap(map, base, cols, p.m_total, kStageCols, kWarpgroupRows);
+    };
+    if ((p.out0 && !out_map(&p.o0, p.out0, o0_cols)) ||
+        (Kind::kEpi == Epilogue::kSwiGLU && !out_map(&p.o1, p.out1, p.n)))
+      return "cuTensorMapEncodeTiled refused a GEMM output";
   }
   const int cols_per_tile = Kind::kEpi == Epilogue::kSwiGLU ? C::kBlockN / 2 : C::kBlockN;
   p.n_tiles = static_cast<int>(CeilDiv(p.n, cols_per_tile));
