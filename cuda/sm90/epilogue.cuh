@@ -100,13 +100,19 @@ __device__ __forceinline__ void StagePass(bf16_t* stage, int wg_thread, uint32_t
 // k-loops: for the clustered launches, whose consumers have 224 registers, not 232, and spilled
 // for them.
 //
-// NOTES: the forward-MLP launch's GPU ms (H200, 2026-12-01 00:40 UTC, two rounds, same bits;
+// NOTES: the forward-MLP launch's GPU ms (H200, 2026-12-01 00:37-00:41 UTC, two rounds, same bits;
 // results/h200/h200_opaque_ab.txt), main (the copy-out a loop in clustered launches) against
 // Opaque in every launch (wip/ou caf6609): gptoss_120b 2.657 / 2.655 -> 2.640 / 2.646, back to back
 // 2.973 / 2.952 -> 2.895 / 2.869; dsv3 5.634 / 5.636 -> 5.590 / 5.596; but the unclustered
 // qwen3_30b 1.883 / 1.882 -> 1.916 / 1.913 (it spilled nothing; 6% more instructions). Keeping
 // the copy-out a loop as well (wip/oe f918498) gained nothing at full clock and lost 1.4-2.4% on
-// gptoss_120b back to back.
+// gptoss_120b back to back. TMA stores against each thread's 16-byte copy-out of four staged
+// rows (H200, 2026-12-01 01:08 UTC, one round, same bits; results/h200/h200_epilogue_ab.txt):
+// gptoss_120b 2.633 -> 2.610 ms, back to back 2.908 -> 2.894; qwen3_30b 1.876 -> 1.867, 2.017
+// -> 2.008; dsv3 5.584 -> 5.594, 5.846 -> 5.773. Without any copy-out (a diagnostic, wrong
+// results) the launch took 4.5% less on gptoss_120b, without the whole epilogue 6.6%: most of
+// what the copy-out costs stays with TMA stores (their traffic, or each pass's wait for its
+// store to read the staging), not in the copy loop they replace.
 template <class Kind, bool kLateAddresses, class Smem, class Accum>
 __device__ __forceinline__ void StageAndStore(const GemmParams& p, const GemmTile& tile,
                                               Smem& smem, int thread, WarpgroupPart part,
