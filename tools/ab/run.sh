@@ -3,9 +3,11 @@
 # with `pip install --target`, checks that each imports from there (a build that does not is
 # left out), then runs tools/ab/measure.py for every build in turn, a fresh process each,
 # ROUNDS times (default 2).
-# Usage: bash tools/ab/run.sh SHAPES (e.g. gptoss_120b,dsv3); logs under $OUT. MODES (default
-# fwd,fwd+bwd) picks the modes measured: one of them takes half the device time. MEASURE_TIMEOUT
-# (default 300) bounds each build's measure.py, in seconds (a build that hangs loses no more).
+# Usage: bash tools/ab/run.sh SHAPES (e.g. gptoss_120b,dsv3); under $OUT: ab.log (the figures)
+# and ab_logs.txt (each build's and measure's own output, one after another: the device tool
+# brings back at most 8 files, and with a file a build and a round, three builds in two rounds
+# lost some on 2026-12-01). MODES (default fwd,fwd+bwd) picks the modes measured: one of them
+# takes half the device time. MEASURE_TIMEOUT (default 300) bounds each build's measure.py, in seconds (a build that hangs loses no more).
 # ROUNDS=0 only builds; SKIP_BUILD=1 measures the builds an earlier call of this run made.
 #
 # NOTES: an editable install of mok_jax (pip install -e) puts an import finder in front of
@@ -18,10 +20,12 @@ python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl
 export PYTHONPATH=/tmp/site:$PWD/.whl/stub XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 python3 -m pip uninstall -y -q mok_jax > /dev/null 2>&1
 names=$(ls runs/ab)
+logs=/tmp/ab_logs
+mkdir -p $logs
 if [ -z "${SKIP_BUILD:-}" ]; then
   for v in $names; do
     (MOK_CUDA=ON python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/ab/$v \
-       runs/ab/$v > $OUT/build_$v.log 2>&1) &
+       runs/ab/$v > $logs/build_$v.log 2>&1) &
   done
   wait
 fi
@@ -32,16 +36,17 @@ for v in $names; do
   case $where in
     /tmp/ab/$v/*) built="$built $v" ;;
     *) echo "$v left out: it does not import from /tmp/ab/$v: $where" | tee -a $OUT/ab.log
-       tail -5 $OUT/build_$v.log ;;
+       tail -5 $logs/build_$v.log ;;
   esac
 done
 for r in $(seq $rounds); do
   for v in $built; do
     PYTHONPATH=/tmp/ab/$v:$PYTHONPATH timeout ${MEASURE_TIMEOUT:-300} python3 tools/ab/measure.py $v $shapes \
       ${MODES:-fwd,fwd+bwd} \
-      2> $OUT/measure_${v}_$r.err | tee -a $OUT/ab.log
+      2> $logs/measure_${v}_$r.err | tee -a $OUT/ab.log
   done
 done
+for f in $logs/*; do echo "=== $(basename $f)"; cat $f; done > $OUT/ab_logs.txt
 [ -f $OUT/ab.log ] || exit 0
 python3 - "$OUT/ab.log" <<'PY'
 import collections, sys
