@@ -7,7 +7,8 @@
 # and ab_logs.txt (each build's and measure's own output, one after another: the device tool
 # brings back at most 8 files, and with a file a build and a round, three builds in two rounds
 # lost some on 2026-12-01). MODES (default fwd,fwd+bwd) picks the modes measured: one of them
-# takes half the device time. MEASURE_TIMEOUT (default 300) bounds each build's measure.py, in seconds (a build that hangs loses no more).
+# takes half the device time. MEASURE_TIMEOUT (default 300) bounds each build's measure.py, in
+# seconds (a build that hangs loses no more).
 # ROUNDS=0 only builds; SKIP_BUILD=1 measures the builds an earlier call of this run made.
 #
 # NOTES: an editable install of mok_jax (pip install -e) puts an import finder in front of
