@@ -1,7 +1,7 @@
-// Moving token rows into and out of the expert-sorted (routed) order. One warp per routed row,
-// 16-byte accesses; rows past offsets[E] (the rows in use) are left alone, padding rows get
-// zeros: the GEMMs read whole 128-row tiles, and zero padding keeps every sum over a tile
-// exact.
+// Moving token rows into and out of the expert-sorted (routed) order, one warp a row (a token's
+// for the gather), 16-byte accesses; rows past offsets[E] (the rows in use) are left alone,
+// padding rows get zeros: the GEMMs read whole 128-row tiles, and zero padding keeps every sum
+// over a tile exact.
 #pragma once
 
 #include <cstdint>
@@ -12,19 +12,64 @@
 
 namespace mok::sm90 {
 
-// xs[r] = x[rows[r] / k]; and zero[0, zero_ints) = 0. (static: both the forward and the
-// backward launch it.)
+// CTAs of 256 threads of a GatherKernel launch: a warp a token, then a CTA an expert.
+inline unsigned GatherCtas(int64_t T, int64_t E) {
+  return static_cast<unsigned>((T + 7) / 8 + E);
+}
+
+// xs[pos[t, j]] = x[t] for every route with a row; xs[r] = 0 for the padding rows (rows[r] < 0)
+// that end each expert's rows (offsets); and zero[0, zero_ints) = 0. One warp a token reads x[t]
+// once and writes its k copies, so x streams from HBM once; the CTAs past the tokens' take an
+// expert each, whose padding rows (fewer than block_m) their warps zero, a row a warp. (static:
+// both the forward and the backward launch it.)
+//
+// NOTES: a warp a routed row, in the routed order, made a token's k copies at k distant times,
+// by then evicted from L2 where x outgrows it (qwen3_30b's 67 MB, dsv3's 59 MB). tools/ab, one
+// H200, 2026-12-01 02:14 UTC, same bits: the gather took qwen3_30b 0.242 -> 0.170 ms, gptoss_120b
+// 0.094 -> 0.078, dsv3 0.239 -> 0.199; the forward back to back 2.646 -> 2.547, 3.293 -> 3.247,
+// 6.752 -> 6.612 ms. The backward's scaled gather in token order too (wip/scatter2) was slower:
+// 0.374 -> 0.395 ms on qwen3_30b, its k routes' dot products then in series in one warp.
+constexpr int kGatherBatch = 4;  // 16-byte loads a lane in flight before their stores
+
 static __global__ void __launch_bounds__(256)
-    GatherKernel(const uint4* x, const int32_t* rows, const int32_t* rows_in_use, int k,
-                 int chunks_per_row, uint4* xs, int32_t* zero, int64_t zero_ints) {
+    GatherKernel(const uint4* __restrict__ x, const int32_t* __restrict__ pos,
+                 const int32_t* __restrict__ rows, const int32_t* __restrict__ offsets, int64_t T,
+                 int k, int block_m, int chunks_per_row, uint4* __restrict__ xs, int32_t* zero,
+                 int64_t zero_ints) {
   GridFill(zero, zero_ints, 0);
-  const int64_t r = int64_t{blockIdx.x} * 8 + threadIdx.x / 32;
-  if (r >= *rows_in_use) return;
-  const int q = rows[r];
-  const uint4* src = q >= 0 ? x + int64_t{q / k} * chunks_per_row : nullptr;
-  uint4* dst = xs + r * chunks_per_row;
-  for (int c = threadIdx.x % 32; c < chunks_per_row; c += 32)
-    dst[c] = src ? __ldg(src + c) : make_uint4(0, 0, 0, 0);
+  const int lane = threadIdx.x % 32;
+  const int64_t warp = int64_t{blockIdx.x} * 8 + threadIdx.x / 32;
+  const int64_t token_ctas = (T + 7) / 8;
+  if (blockIdx.x >= token_ctas) {
+    const int64_t e = blockIdx.x - token_ctas;
+    const int32_t end = offsets[e + 1];
+    for (int32_t r = max(offsets[e], end - block_m) + threadIdx.x / 32; r < end; r += 8) {
+      if (rows[r] >= 0) continue;
+      uint4* dst = xs + int64_t{r} * chunks_per_row;
+      for (int c = lane; c < chunks_per_row; c += 32) dst[c] = make_uint4(0, 0, 0, 0);
+    }
+  } else if (warp < T) {
+    const uint4* src = x + warp * chunks_per_row;
+    const int32_t* route = pos + warp * k;
+    for (int c0 = 0; c0 < chunks_per_row; c0 += 32 * kGatherBatch) {
+      uint4 v[kGatherBatch];
+#pragma unroll
+      for (int b = 0; b < kGatherBatch; ++b) {
+        const int c = c0 + b * 32 + lane;
+        if (c < chunks_per_row) v[b] = __ldg(src + c);
+      }
+      for (int j = 0; j < k; ++j) {
+        const int32_t r = __ldg(route + j);
+        if (r < 0) continue;  // an invalid expert id: no row
+        uint4* dst = xs + int64_t{r} * chunks_per_row;
+#pragma unroll
+        for (int b = 0; b < kGatherBatch; ++b) {
+          const int c = c0 + b * 32 + lane;
+          if (c < chunks_per_row) dst[c] = v[b];
+        }
+      }
+    }
+  }
 }
 
 __device__ __forceinline__ void Load8(const __nv_bfloat16* p, float f[8]) {

@@ -120,9 +120,9 @@ const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
   // dx_r; then the recompute's per-row-tile counts of gu. The gather clears them.
   int32_t* ready = a.queue + kQueueHeaderInts;
   const int mlp_count = a.Is > 0 ? 2 : 1;
-  sm90::GatherKernel<<<row_ctas, 256, 0, stream>>>(
-      static_cast<const uint4*>(a.x), a.rows, rows_in_use, k, H / 8, static_cast<uint4*>(a.xs),
-      a.queue, TileQueueInts(a.T, a.k, a.E));
+  sm90::GatherKernel<<<sm90::GatherCtas(a.T, E), 256, 0, stream>>>(
+      static_cast<const uint4*>(a.x), a.pos, a.rows, a.offsets, a.T, k, a.block_m, H / 8,
+      static_cast<uint4*>(a.xs), a.queue, TileQueueInts(a.T, a.k, a.E));
   // Recompute: the forward's gate|up launches on the same rows (xs gathered as the forward
   // gathers it, x for the shared expert), hence the bits it would have saved. h is written too
   // and rewritten by BwdDown below.

@@ -79,9 +79,9 @@ const char* LaunchMoeFwd(const MoeFwdArgs& a, cudaStream_t stream) {
       a.experts, routes, E, a.layout, a.offsets, a.pos, a.rows, a.R);
   // 2. Gather the routed token rows (zeros for padding rows).
   if (!skip.gather) {
-    sm90::GatherKernel<<<CeilDiv(a.R, 8), 256, 0, stream>>>(
-        static_cast<const uint4*>(a.x), a.rows, a.offsets + E, k, static_cast<int>(a.H / 8),
-        static_cast<uint4*>(a.xs), nullptr, 0);
+    sm90::GatherKernel<<<sm90::GatherCtas(a.T, E), 256, 0, stream>>>(
+        static_cast<const uint4*>(a.x), a.pos, a.rows, a.offsets, a.T, k, a.block_m,
+        static_cast<int>(a.H / 8), static_cast<uint4*>(a.xs), nullptr, 0);
   }
   // 3. Expert MLPs, routed and shared (one group of T rows read straight from x), in one
   // launch: gu (unless null: not kept) and h = silu(g) * u, then y = h @ w_down.
