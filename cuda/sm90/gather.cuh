@@ -25,7 +25,7 @@ inline unsigned GatherCtas(int64_t T, int64_t E) {
 //
 // NOTES: a warp a routed row, in the routed order, made a token's k copies at k distant times,
 // by then evicted from L2 where x outgrows it (qwen3_30b's 67 MB, dsv3's 59 MB). tools/ab, one
-// H200, 2026-12-01 02:14 UTC, same bits: the gather took qwen3_30b 0.242 -> 0.170 ms, gptoss_120b
+// H200, 2026-12-01 02:05 UTC, same bits: the gather took qwen3_30b 0.242 -> 0.170 ms, gptoss_120b
 // 0.094 -> 0.078, dsv3 0.239 -> 0.199; the forward back to back 2.646 -> 2.547, 3.293 -> 3.247,
 // 6.752 -> 6.612 ms. The backward's scaled gather in token order too (wip/scatter2) was slower:
 // 0.374 -> 0.395 ms on qwen3_30b, its k routes' dot products then in series in one warp.
