@@ -10,6 +10,9 @@
 # takes half the device time. MEASURE_TIMEOUT (default 300) bounds each build's measure.py, in
 # seconds (a build that hangs loses no more).
 # ROUNDS=0 only builds; SKIP_BUILD=1 measures the builds an earlier call of this run made.
+# TESTS=name[,name] runs this tree's GPU tests against those builds after the measures (their
+# last lines in ab.log, their output in ab_logs.txt), so that an A/B and the tests of the build
+# to keep fit in one call; TESTS_TIMEOUT (default 300) bounds each build's tests, in seconds.
 #
 # NOTES: an editable install of mok_jax (pip install -e) puts an import finder in front of
 # PYTHONPATH: with one present, every name measured that one build (2026-11-30). It is
@@ -46,6 +49,14 @@ for r in $(seq $rounds); do
       ${MODES:-fwd,fwd+bwd} \
       2> $logs/measure_${v}_$r.err | tee -a $OUT/ab.log
   done
+done
+tests=${TESTS:-}
+for v in ${tests//,/ }; do
+  (cd tests && PYTHONPATH=/tmp/ab/$v:$PYTHONPATH timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q \
+     -p no:cacheprovider --timeout=200 test_moe_fwd_cuda.py test_moe_bwd_cuda.py \
+     test_recompute_cuda.py test_train_lm_gpu.py test_sanitizer_cuda.py \
+     test_expert_parallel_gpu.py > $logs/tests_$v.log 2>&1)
+  echo "$v tests: $(tail -1 $logs/tests_$v.log)" | tee -a $OUT/ab.log
 done
 for f in $logs/*; do echo "=== $(basename $f)"; cat $f; done > $OUT/ab_logs.txt
 [ -f $OUT/ab.log ] || exit 0
