@@ -64,12 +64,21 @@ __global__ void __launch_bounds__(1024)
                         int32_t* rows) {
   __shared__ int32_t scan[1024];
   const int e = threadIdx.x;
+  // Eight chunks' counts loaded before they are rewritten: one at a time, each load waited for
+  // the store before it (the same array), and qwen3_30b's 128 chunks took this kernel 0.018 ms;
+  // eight at a time 0.011 (H200, 2026-12-01).
+  constexpr int kBatch = 8;
   int total = 0;
   if (e < E) {
-    for (int c = 0; c < chunks; ++c) {
-      int v = counts[int64_t{c} * E + e];
-      counts[int64_t{c} * E + e] = total;
-      total += v;
+    for (int c0 = 0; c0 < chunks; c0 += kBatch) {
+      int v[kBatch];
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) v[i] = c0 + i < chunks ? counts[int64_t{c0 + i} * E + e] : 0;
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        if (c0 + i < chunks) counts[int64_t{c0 + i} * E + e] = total;
+        total += v[i];
+      }
     }
   }
   const int padded = (total + block_m - 1) / block_m * block_m;
