@@ -12,6 +12,20 @@
 
 namespace mok::sm90 {
 
+// out[r] = 0 for expert e's padding rows (rows[r] < 0), which end its rows [offsets[e],
+// offsets[e + 1]) and are fewer than block_m: a row a warp of a CTA of 256 threads.
+__device__ __forceinline__ void ZeroExpertPadding(const int32_t* __restrict__ rows,
+                                                  const int32_t* __restrict__ offsets, int64_t e,
+                                                  int block_m, int chunks_per_row,
+                                                  uint4* __restrict__ out) {
+  const int32_t end = offsets[e + 1];
+  for (int32_t r = max(offsets[e], end - block_m) + threadIdx.x / 32; r < end; r += 8) {
+    if (rows[r] >= 0) continue;
+    uint4* dst = out + int64_t{r} * chunks_per_row;
+    for (int c = threadIdx.x % 32; c < chunks_per_row; c += 32) dst[c] = make_uint4(0, 0, 0, 0);
+  }
+}
+
 // CTAs of 256 threads of a GatherKernel launch: a warp a token, then a CTA an expert.
 inline unsigned GatherCtas(int64_t T, int64_t E) {
   return static_cast<unsigned>((T + 7) / 8 + E);
@@ -41,13 +55,7 @@ static __global__ void __launch_bounds__(256)
   const int64_t warp = int64_t{blockIdx.x} * 8 + threadIdx.x / 32;
   const int64_t token_ctas = (T + 7) / 8;
   if (blockIdx.x >= token_ctas) {
-    const int64_t e = blockIdx.x - token_ctas;
-    const int32_t end = offsets[e + 1];
-    for (int32_t r = max(offsets[e], end - block_m) + threadIdx.x / 32; r < end; r += 8) {
-      if (rows[r] >= 0) continue;
-      uint4* dst = xs + int64_t{r} * chunks_per_row;
-      for (int c = lane; c < chunks_per_row; c += 32) dst[c] = make_uint4(0, 0, 0, 0);
-    }
+    ZeroExpertPadding(rows, offsets, blockIdx.x - token_ctas, block_m, chunks_per_row, xs);
   } else if (warp < T) {
     const uint4* src = x + warp * chunks_per_row;
     const int32_t* route = pos + warp * k;
@@ -72,64 +80,133 @@ static __global__ void __launch_bounds__(256)
   }
 }
 
-__device__ __forceinline__ void Load8(const __nv_bfloat16* p, float f[8]) {
-  uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    float2 t = __bfloat1622float2(h[i]);
-    f[2 * i] = t.x, f[2 * i + 1] = t.y;
-  }
-}
-
-__device__ __forceinline__ void Load8(const float* p, float f[8]) {
-  float4 a = __ldg(reinterpret_cast<const float4*>(p));
-  float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
-  f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
-}
-
-// Backward, per routed row r holding route q = (t, j):
-//   dy_r[r] = round(w[q] * dy[t]);   dweights[q] = <dy[t], y_routed[r]> (f32).
-// The dot product sums each lane's columns in order, then a fixed butterfly across lanes: the
-// same bits every run. Routes without a row (pos -1: an invalid expert id) get dweights 0.
+// Eight values of a row as loaded (16 bytes of bf16, 32 of f32), unpacked to f32 only where they
+// are used, so that a batch of loads in flight holds half the registers.
 template <class D>
-__global__ void __launch_bounds__(256)
-    ScaleGatherKernel(const D* dy, const __nv_bfloat16* y_routed, const int32_t* rows,
-                      const int32_t* rows_in_use, const int32_t* pos, int64_t routes,
-                      const float* weights, int k, int H, __nv_bfloat16* dy_r,
-                      float* dweights) {
-  const int64_t threads = int64_t{gridDim.x} * blockDim.x;
-  for (int64_t q = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; q < routes; q += threads) {
-    if (pos[q] < 0) dweights[q] = 0.0f;
+struct Chunk8;
+template <>
+struct Chunk8<__nv_bfloat16> {
+  uint4 v;
+  __device__ __forceinline__ void load(const __nv_bfloat16* p) {
+    v = __ldg(reinterpret_cast<const uint4*>(p));
   }
-  const int64_t r = int64_t{blockIdx.x} * 8 + threadIdx.x / 32;
-  if (r >= *rows_in_use) return;
-  const int lane = threadIdx.x % 32, q = rows[r];
-  uint4* dst = reinterpret_cast<uint4*>(dy_r + r * H);
-  if (q < 0) {
-    for (int c = lane; c < H / 8; c += 32) dst[c] = make_uint4(0, 0, 0, 0);
-    return;
-  }
-  const int64_t t = q / k;
-  const float w = weights[q];
-  float dot = 0.0f;
-  for (int c = lane; c < H / 8; c += 32) {
-    float g[8], y[8];
-    Load8(dy + t * H + c * 8, g);
-    Load8(y_routed + r * H + c * 8, y);
-    uint4 v;
-    __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&v);
+  __device__ __forceinline__ void unpack(float f[8]) const {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      dot = fmaf(g[2 * i], y[2 * i], dot);
-      dot = fmaf(g[2 * i + 1], y[2 * i + 1], dot);
-      o[i] = __floats2bfloat162_rn(w * g[2 * i], w * g[2 * i + 1]);
+      float2 t = __bfloat1622float2(h[i]);
+      f[2 * i] = t.x, f[2 * i + 1] = t.y;
     }
-    dst[c] = v;
   }
+};
+template <>
+struct Chunk8<float> {
+  float4 a, b;
+  __device__ __forceinline__ void load(const float* p) {
+    a = __ldg(reinterpret_cast<const float4*>(p));
+    b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+  }
+  __device__ __forceinline__ void unpack(float f[8]) const {
+    f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+  }
+};
+
+template <class D>
+__device__ __forceinline__ void Load8(const D* p, float f[8]) {
+  Chunk8<D> c;
+  c.load(p);
+  c.unpack(f);
+}
+
+// Backward, per route q = (t, j) with a row r = pos[q]:
+//   dy_r[r] = round(w[q] * dy[t]);   dweights[q] = <dy[t], y_routed[r]> (f32).
+// One warp a token (dy[t] read from HBM once, as the gather reads x[t]), its routes kScaleRoutes
+// at a time, each lane kGatherBatch 16-byte chunks at a time of dy[t] and of each route's
+// y_routed row, all loaded before they are used. Each lane sums its columns in order (chunks c =
+// lane, lane + 32, ...), then a fixed butterfly across lanes: the same bits every run, and as a
+// warp a routed row gave them. Routes without a row (pos -1: an invalid expert id) get dweights
+// 0; the padding rows that end each expert's rows get zeros in dy_r, a CTA an expert (past the
+// T / 8 CTAs of the tokens: GatherCtas).
+//
+// NOTES: a warp a routed row read dy[t] k times, from HBM where dy outgrows L2 (the gather's
+// NOTES). The same in token order with the routes in series, each chunk loaded as it was used
+// (wip/scatter2), was slower than that (qwen3_30b 0.374 -> 0.395 ms, H200, 2026-12-01); with
+// the loads batched as here, faster (qwen3_30b 0.378 -> 0.310, gptoss_120b 0.150 -> 0.128, dsv3
+// 0.356 -> 0.311 ms, H200, 2026-12-01).
+constexpr int kScaleRoutes = 4;
+
+template <class D>
+__global__ void __launch_bounds__(256)
+    ScaleGatherKernel(const D* __restrict__ dy, const __nv_bfloat16* __restrict__ y_routed,
+                      const int32_t* __restrict__ rows, const int32_t* __restrict__ offsets,
+                      const int32_t* __restrict__ pos, int64_t T, const float* __restrict__ weights,
+                      int k, int block_m, int H, __nv_bfloat16* __restrict__ dy_r,
+                      float* __restrict__ dweights) {
+  const int lane = threadIdx.x % 32;
+  const int64_t token_ctas = (T + 7) / 8;
+  const int chunks = H / 8;
+  if (blockIdx.x >= token_ctas) {
+    ZeroExpertPadding(rows, offsets, blockIdx.x - token_ctas, block_m, chunks,
+                      reinterpret_cast<uint4*>(dy_r));
+    return;
+  }
+  const int64_t t = int64_t{blockIdx.x} * 8 + threadIdx.x / 32;
+  if (t >= T) return;
+  for (int j0 = 0; j0 < k; j0 += kScaleRoutes) {
+    int32_t r[kScaleRoutes];
+    float w[kScaleRoutes], dot[kScaleRoutes];
 #pragma unroll
-  for (int mask = 16; mask > 0; mask /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, mask);
-  if (lane == 0) dweights[q] = dot;
+    for (int i = 0; i < kScaleRoutes; ++i) {
+      r[i] = j0 + i < k ? pos[t * k + j0 + i] : -1;
+      w[i] = r[i] >= 0 ? weights[t * k + j0 + i] : 0.0f;
+      dot[i] = 0.0f;
+    }
+    for (int c0 = 0; c0 < chunks; c0 += 32 * kGatherBatch) {
+      Chunk8<D> g[kGatherBatch];
+#pragma unroll
+      for (int b = 0; b < kGatherBatch; ++b) {
+        const int c = c0 + b * 32 + lane;
+        if (c < chunks) g[b].load(dy + t * H + c * 8);
+      }
+#pragma unroll
+      for (int i = 0; i < kScaleRoutes; ++i) {
+        if (r[i] < 0) continue;
+        const __nv_bfloat16* src = y_routed + int64_t{r[i]} * H;
+        uint4* dst = reinterpret_cast<uint4*>(dy_r + int64_t{r[i]} * H);
+        Chunk8<__nv_bfloat16> y[kGatherBatch];
+#pragma unroll
+        for (int b = 0; b < kGatherBatch; ++b) {
+          const int c = c0 + b * 32 + lane;
+          if (c < chunks) y[b].load(src + c * 8);
+        }
+#pragma unroll
+        for (int b = 0; b < kGatherBatch; ++b) {
+          const int c = c0 + b * 32 + lane;
+          if (c >= chunks) continue;
+          float gf[8], yf[8];
+          g[b].unpack(gf);
+          y[b].unpack(yf);
+          uint4 v;
+          __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            dot[i] = fmaf(gf[2 * e], yf[2 * e], dot[i]);
+            dot[i] = fmaf(gf[2 * e + 1], yf[2 * e + 1], dot[i]);
+            o[e] = __floats2bfloat162_rn(w[i] * gf[2 * e], w[i] * gf[2 * e + 1]);
+          }
+          dst[c] = v;
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kScaleRoutes; ++i) {
+      if (j0 + i >= k) continue;
+      float d = dot[i];
+#pragma unroll
+      for (int mask = 16; mask > 0; mask /= 2) d += __shfl_xor_sync(0xffffffffu, d, mask);
+      if (lane == 0) dweights[t * k + j0 + i] = r[i] >= 0 ? d : 0.0f;
+    }
+  }
 }
 
 }  // namespace mok::sm90

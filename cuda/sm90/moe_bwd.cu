@@ -113,8 +113,6 @@ const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
   if (a.dy_f32 && a.Is > 0) return "a shared expert needs dy of x's dtype (bf16)";
   using bf16 = __nv_bfloat16;
   const int E = static_cast<int>(a.E), k = static_cast<int>(a.k), H = static_cast<int>(a.H);
-  const int32_t* rows_in_use = a.offsets + E;
-  const unsigned row_ctas = static_cast<unsigned>(CeilDiv(a.R, 8));
 
   // Tile queues (header ints): 0 the recompute's gate|up, 1 dgu, 2 the weight gradients, 3
   // dx_r; then the recompute's per-row-tile counts of gu. The gather clears them.
@@ -141,13 +139,13 @@ const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
   const auto* y_routed = static_cast<const bf16*>(a.y_routed);
   auto* dy_r = static_cast<bf16*>(a.dy_routed);
   if (a.dy_f32) {
-    sm90::ScaleGatherKernel<float><<<row_ctas, 256, 0, stream>>>(
-        static_cast<const float*>(a.dy), y_routed, a.rows, rows_in_use, a.pos, a.T * a.k,
-        a.weights, k, H, dy_r, a.dweights);
+    sm90::ScaleGatherKernel<float><<<sm90::GatherCtas(a.T, E), 256, 0, stream>>>(
+        static_cast<const float*>(a.dy), y_routed, a.rows, a.offsets, a.pos, a.T, a.weights, k,
+        a.block_m, H, dy_r, a.dweights);
   } else {
-    sm90::ScaleGatherKernel<bf16><<<row_ctas, 256, 0, stream>>>(
-        static_cast<const bf16*>(a.dy), y_routed, a.rows, rows_in_use, a.pos, a.T * a.k,
-        a.weights, k, H, dy_r, a.dweights);
+    sm90::ScaleGatherKernel<bf16><<<sm90::GatherCtas(a.T, E), 256, 0, stream>>>(
+        static_cast<const bf16*>(a.dy), y_routed, a.rows, a.offsets, a.pos, a.T, a.weights, k,
+        a.block_m, H, dy_r, a.dweights);
   }
   const MlpGrads mlps[2] = {
       {a.xs, gu, a.dy_routed, a.w_gate, a.w_up, a.w_down, a.offsets, a.rows, a.block_m, E, a.R,
