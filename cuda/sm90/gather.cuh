@@ -1,7 +1,6 @@
-// Moving token rows into and out of the expert-sorted (routed) order, one warp a row (a token's
-// for the gather), 16-byte accesses; rows past offsets[E] (the rows in use) are left alone,
-// padding rows get zeros: the GEMMs read whole 128-row tiles, and zero padding keeps every sum
-// over a tile exact.
+// Moving token rows into the expert-sorted (routed) order, one warp a token, 16-byte accesses;
+// rows past offsets[E] (the rows in use) are left alone, padding rows get zeros: the GEMMs read
+// whole 128-row tiles, and zero padding keeps every sum over a tile exact.
 #pragma once
 
 #include <cstdint>
@@ -26,9 +25,11 @@ __device__ __forceinline__ void ZeroExpertPadding(const int32_t* __restrict__ ro
   }
 }
 
-// CTAs of 256 threads of a GatherKernel launch: a warp a token, then a CTA an expert.
+// A GatherKernel or ScaleGatherKernel launch: CTAs of 256 threads, first TokenCtas(T) of a warp
+// a token, then a CTA an expert (its padding rows).
+__host__ __device__ __forceinline__ int64_t TokenCtas(int64_t T) { return (T + 7) / 8; }
 inline unsigned GatherCtas(int64_t T, int64_t E) {
-  return static_cast<unsigned>((T + 7) / 8 + E);
+  return static_cast<unsigned>(TokenCtas(T) + E);
 }
 
 // xs[pos[t, j]] = x[t] for every route with a row; xs[r] = 0 for the padding rows (rows[r] < 0)
@@ -53,7 +54,7 @@ static __global__ void __launch_bounds__(256)
   GridFill(zero, zero_ints, 0);
   const int lane = threadIdx.x % 32;
   const int64_t warp = int64_t{blockIdx.x} * 8 + threadIdx.x / 32;
-  const int64_t token_ctas = (T + 7) / 8;
+  const int64_t token_ctas = TokenCtas(T);
   if (blockIdx.x >= token_ctas) {
     ZeroExpertPadding(rows, offsets, blockIdx.x - token_ctas, block_m, chunks_per_row, xs);
   } else if (warp < T) {
@@ -143,7 +144,7 @@ __global__ void __launch_bounds__(256)
                       int k, int block_m, int H, __nv_bfloat16* __restrict__ dy_r,
                       float* __restrict__ dweights) {
   const int lane = threadIdx.x % 32;
-  const int64_t token_ctas = (T + 7) / 8;
+  const int64_t token_ctas = TokenCtas(T);
   const int chunks = H / 8;
   if (blockIdx.x >= token_ctas) {
     ZeroExpertPadding(rows, offsets, blockIdx.x - token_ctas, block_m, chunks,
