@@ -1,8 +1,8 @@
 // GEMM epilogues. Outputs go through a swizzled shared-memory staging tile (each consumer
 // warpgroup stages its own 64 rows): bf16 ones to TMA stores that the consumers do not wait for
-// (the weight gradients stage their whole output tile for them, the others 64 columns at a
-// time), f32 ones to coalesced 16-byte global stores; the SwiGLU backward brings its gu in
-// through it the same way.
+// (the weight gradients stage their whole output tile for a storer thread to issue, the others
+// 64 columns at a time), f32 ones to coalesced 16-byte global stores; the SwiGLU backward
+// brings its gu in through it the same way.
 #pragma once
 
 #include <type_traits>
@@ -316,27 +316,45 @@ __device__ __forceinline__ void StageAndStoreF32(const GemmParams& p, const Gemm
   }
 }
 
-// kTmaStore (the weight gradients): the warpgroup's 64-row slab of the tile, rounded to bf16,
-// into its staging as eight (32 columns, 64 rows) boxes laid out as TMA writes them with the
-// 64-byte swizzle; one thread then hands all eight to TMA stores, and the warpgroup goes on to
-// its next tile without waiting for them (it waits, at its next epilogue, until they have read
-// the staging). A slab at or past m_end (rows past the gradient's m, the next group's) has
-// nothing to store; rows and columns past the tensor are clipped by TMA.
+// kTmaStore (the weight gradients): a consumer warpgroup's 64-row slab of the tile, rounded to
+// bf16, goes into its staging as eight (32 columns, 64 rows) boxes laid out as TMA writes them
+// with the 64-byte swizzle; the warpgroup then hands the slab to its storer, a thread of the
+// producer warpgroup, which issues the eight TMA stores and waits until they have read the
+// staging, while the warpgroup goes straight on to its next tile's MMAs. It waits for that
+// read only at its next epilogue, before it writes the staging again.
+//
+// NOTES: the weight-gradient launch alone (H200, 2026-12-01, tools/ab, same bits): the
+// warpgroup's first thread issuing the stores -> a storer thread, gptoss_120b 4.15 -> 3.59 ms,
+// dsv3 9.01 -> 8.95. The storer warps copying the slab out with 16-byte st.global (a warp a
+// row's 512 bytes) instead of TMA: gptoss_120b 3.48 -> 3.62, dsv3 8.82 -> 10.80.
+struct SlabJob {
+  int32_t slot;    // the chain slot whose o0 / o1 take the slab; -1: the chain has ended
+  int32_t row;     // the slab's first row in o0 / o1 (group * m + the slab's row in the group)
+  int32_t n_tile;
+};
+struct SlabHandoff {
+  SlabJob job[GemmConfig::kConsumerWarpgroups];
+  uint64_t staged[GemmConfig::kConsumerWarpgroups];  // the warpgroup wrote job and its slab
+  uint64_t stored[GemmConfig::kConsumerWarpgroups];  // the storer's stores have read the slab
+};
+
+constexpr int kSlabBoxes = GemmConfig::kBlockN / kTmaStoreCols;
+constexpr uint32_t kSlabBoxBytes = kWarpgroupRows * kTmaStoreCols * 2;  // 4 KB, 512-aligned
+
+// The consumer warpgroup's side. `posted`: the slabs this warpgroup has handed over in this
+// chain (the same in all its threads). A slab at or past m_end (rows past the gradient's m, the
+// next group's) has nothing to store; rows and columns past the tensor are clipped by TMA.
 template <class Smem, class Accum>
-__device__ __forceinline__ void StoreTileTma(const GemmParams& p, const GemmTile& tile,
-                                             Smem& smem, int thread, WarpgroupPart part,
-                                             const Accum& acc) {
-  using C = GemmConfig;
-  constexpr int kBoxes = C::kBlockN / kTmaStoreCols;
-  constexpr uint32_t kBoxBytes = kWarpgroupRows * kTmaStoreCols * 2;  // 4 KB, 512-byte aligned
-  static_assert(sizeof(smem.stage[0]) == kBoxes * kBoxBytes, "a warpgroup's whole slab");
+__device__ __forceinline__ void StageSlab(const GemmParams& p, const GemmTile& tile, Smem& smem,
+                                          int thread, WarpgroupPart part, const Accum& acc,
+                                          SlabHandoff& handoff, uint32_t& posted, int slot) {
+  static_assert(sizeof(smem.stage[0]) == kSlabBoxes * kSlabBoxBytes, "a warpgroup's whole slab");
+  static_assert(AccCols<Accum>() == GemmConfig::kBlockN, "weight-gradient tiles are never split");
   const int wg = thread / 128, wg_thread = thread % 128;
   const uint32_t barrier = 2 + wg;
-  static_assert(AccCols<Accum>() == C::kBlockN, "weight-gradient tiles are never split");
   const int64_t row0 = part.row0;
   if (row0 >= tile.m_end) return;  // uniform over the warpgroup
   const uint32_t base = SmemAddr(smem.stage[wg]);
-  const bool storer = wg_thread == 0;
   // stmatrix q of 16 writes the thread's values 8 q .. 8 q + 7: the 8-column groups 2 q and
   // 2 q + 1 (matrices 0, 1: rows 0-7 and 8-15 of the warp's 16 of group 2 q; 2, 3: of 2 q + 1).
   // This lane gives the address of row `row` (of the warpgroup's 64) of group 2 q + hi: box
@@ -347,28 +365,48 @@ __device__ __forceinline__ void StoreTileTma(const GemmParams& p, const GemmTile
   const uint32_t row_base = base + static_cast<uint32_t>(row * 64);
   const uint32_t even = static_cast<uint32_t>(((hi ^ (row >> 1)) & 3) << 4);
   const uint32_t odd = static_cast<uint32_t>((((2 + hi) ^ (row >> 1)) & 3) << 4);
-  if (storer) BulkWaitRead<0>();  // the last tile's stores have read the staging
+  // The storer's stores of the last slab have read the staging (its arrival releases what its
+  // wait for their reads acquired; the named barrier passes that on to the warpgroup).
+  if (wg_thread == 0 && posted > 0) BarrierWaitLean(&handoff.stored[wg], (posted - 1) & 1);
   NamedBarrierSync(barrier, 128);
   CUTE_UNROLL
   for (int q = 0; q < 16; ++q) {
     const int v = 8 * q;
-    StoreMatrixX4(row_base + q / 2 * kBoxBytes + (q % 2 ? odd : even),
+    StoreMatrixX4(row_base + q / 2 * kSlabBoxBytes + (q % 2 ? odd : even),
                   PackBf16(acc(v), acc(v + 1)), PackBf16(acc(v + 2), acc(v + 3)),
                   PackBf16(acc(v + 4), acc(v + 5)), PackBf16(acc(v + 6), acc(v + 7)));
   }
   FenceProxyAsyncShared();  // the writes, before the async proxy reads them
   NamedBarrierSync(barrier, 128);
-  if (storer) {
-    const int32_t row = static_cast<int32_t>(int64_t{tile.group} * p.m + row0);
-    CUTE_UNROLL
-    for (int b = 0; b < kBoxes; ++b) {
-      // Boxes never straddle n_split (a multiple of 64).
-      const int32_t col = tile.n_tile * C::kBlockN + kTmaStoreCols * b;
-      if (col < p.n_split) TmaStore2d(&p.o0, base + b * kBoxBytes, col, row);
-      else if (col < p.n) TmaStore2d(&p.o1, base + b * kBoxBytes, col - p.n_split, row);
-    }
-    BulkCommitGroup();
+  if (wg_thread == 0) {
+    handoff.job[wg] = {slot, static_cast<int32_t>(int64_t{tile.group} * p.m + row0),
+                       tile.n_tile};
+    BarrierArrive(&handoff.staged[wg]);
   }
+  ++posted;
+}
+
+// After a warpgroup's last tile of the chain: tells its storer that no slab follows (once the
+// storer has taken the last one, which frees the job record), and returns once the storer's
+// stores have read the staging.
+__device__ __forceinline__ void EndSlabs(SlabHandoff& handoff, int wg, uint32_t posted) {
+  if (posted > 0) BarrierWaitLean(&handoff.stored[wg], (posted - 1) & 1);
+  handoff.job[wg].slot = -1;
+  BarrierArrive(&handoff.staged[wg]);
+}
+
+// The storer's side, for one slab: its eight boxes to o0 / o1, then the wait for their reads.
+__device__ __forceinline__ void StoreSlab(const GemmParams& p, const SlabJob& job,
+                                          uint32_t base) {
+  CUTE_UNROLL
+  for (int b = 0; b < kSlabBoxes; ++b) {
+    // Boxes never straddle n_split (a multiple of 64).
+    const int32_t col = job.n_tile * GemmConfig::kBlockN + kTmaStoreCols * b;
+    if (col < p.n_split) TmaStore2d(&p.o0, base + b * kSlabBoxBytes, col, job.row);
+    else if (col < p.n) TmaStore2d(&p.o1, base + b * kSlabBoxBytes, col - p.n_split, job.row);
+  }
+  BulkCommitGroup();
+  BulkWaitRead<0>();
 }
 
 // The element that kStore (bf16) and kStoreF32 (f32) write.
@@ -470,9 +508,8 @@ __device__ __forceinline__ void StoreTile(const GemmParams& p, const GemmTile& t
   constexpr Epilogue kEpi = Kind::kEpi;
   static_assert(AccCols<Accum>() == 256 || AccCols<Accum>() == 128,
                 "a 64 x 256 or 64 x 128 wgmma atom per warpgroup");
-  if constexpr (Kind::kTmaStore) {
-    StoreTileTma(p, tile, smem, thread, part, acc);
-  } else if constexpr (kEpi == Epilogue::kStoreF32) {
+  static_assert(!Kind::kTmaStore, "StageSlab");
+  if constexpr (kEpi == Epilogue::kStoreF32) {
     StageAndStoreF32(p, tile, smem, thread, part, acc);
   } else if constexpr (kEpi == Epilogue::kSwiGLUBwd) {
     SwiGLUBwdStaged(p, tile, smem, thread, part, acc);

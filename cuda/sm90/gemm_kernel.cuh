@@ -2,7 +2,9 @@
 // warpgroups), TMA -> mbarrier ring -> wgmma, then an epilogue, over the tiles of a chain of
 // GEMMs (ChainParams). The producer thread takes each tile from the device queue, schedules it
 // (ScheduleTile) and passes it to the consumers through a small ring in shared memory; while
-// the consumers run a tile's epilogue, it is already loading the next tile's stages.
+// the consumers run a tile's epilogue, it is already loading the next tile's stages. For the
+// weight gradients, two more threads of the producer warpgroup issue the consumers' TMA stores
+// (StageSlab).
 #pragma once
 
 #include <type_traits>
@@ -35,6 +37,7 @@ struct ChainSmem {
   uint64_t unit_full[kTileSlots];     // rank 1's: rank 0 wrote unit_tile
   uint64_t unit_empty[kTileSlots];    // rank 0's: rank 1 read it
   int32_t pair_start[GemmConfig::kMaxGroups + 1];
+  SlabHandoff slabs;  // kTmaStore: each consumer warpgroup's staged slab to its storer
 };
 
 template <class Kind>
@@ -71,12 +74,11 @@ using SlotKind = std::conditional_t<(kSlot < 2), Kind0, Kind1>;
 // The tiles of the chain `c` that this CTA takes, in the role of one warpgroup, run once a
 // warpgroup has set its registers (setmaxnreg): kProducer for warpgroup 0, whose thread 0
 // issues the loads, else a consumer warpgroup's. The roles meet at CTA barriers in their
-// separate copies of this code, hence CtaSync rather than __syncthreads. `next`: another chain
-// follows in the same shared memory, so the barriers are invalidated at the end. kClusterM = 2:
-// the CTAs of a cluster take units of two tiles (ScheduleUnit), rank 0 from the queue, and
-// hands each to rank 1 through unit_tile.
+// separate copies of this code, hence CtaSync rather than __syncthreads. kClusterM = 2: the
+// CTAs of a cluster take units of two tiles (ScheduleUnit), rank 0 from the queue, and hands
+// each to rank 1 through unit_tile.
 template <class Kind0, class Kind1, int kSlots, bool kProducer, int kClusterM = 1>
-__device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw, bool next) {
+__device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw) {
   static_assert(Kind0::kMajorA == Kind1::kMajorA && Kind0::kMajorB == Kind1::kMajorB &&
                     Kind0::kSched == Kind1::kSched,
                 "the GEMMs of a chain share shared-memory layouts, MMA and schedule");
@@ -162,6 +164,12 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
       BarrierInit(&smem.full[s], 1);
       BarrierInit(&smem.empty[s], C::kConsumerWarpgroups * kClusterM);
     }
+    if (Kind0::kTmaStore) {
+      for (int wg = 0; wg < C::kConsumerWarpgroups; ++wg) {
+        BarrierInit(&cs.slabs.staged[wg], 1);
+        BarrierInit(&cs.slabs.stored[wg], 1);
+      }
+    }
     for (int s = 0; s < kTileSlots; ++s) {
       BarrierInit(&cs.slot_full[s], 1);
       BarrierInit(&cs.slot_empty[s], kConsumerThreads);
@@ -180,6 +188,23 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
   // Both roles walk the same tiles in the same order; `it` keeps their rings in step.
   uint32_t it = 0;
   if constexpr (kProducer) {
+    // The first threads of warps 1 and 2: the storers of consumer warpgroups 0 and 1
+    // (StageSlab).
+    const int storer_wg = static_cast<int>(threadIdx.x) / 32 - 1;
+    if (Kind0::kTmaStore && threadIdx.x % 32 == 0 && storer_wg >= 0 &&
+        storer_wg < C::kConsumerWarpgroups) {
+      const uint32_t base = SmemAddr(smem.stage[storer_wg]);
+      for (uint32_t n = 0;; ++n) {
+        BarrierWait(&cs.slabs.staged[storer_wg], n & 1);
+        const SlabJob job = cs.slabs.job[storer_wg];
+        if (job.slot < 0) break;
+        WithSlot<kSlots>(job.slot, [&](auto s) __attribute__((always_inline)) {
+          StoreSlab(c.gemm[decltype(s)::value], job, base);
+        });
+        BarrierArrive(&cs.slabs.stored[storer_wg]);
+      }
+      BulkWaitAll();  // the last stores have completed before the CTA exits
+    }
     if (threadIdx.x == 0) {
       int64_t total = 0;
       CUTE_UNROLL
@@ -258,6 +283,7 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
     }
   } else {
     const int thread = threadIdx.x - 128;
+    uint32_t slabs_posted = 0;  // kTmaStore: this warpgroup's slabs handed to its storer
 #pragma unroll 1
     for (uint32_t j = 0;; ++j) {
       const int slot = j % kTileSlots;
@@ -328,11 +354,17 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
         });
         WithSlot<kSlots>(i, [&](auto s) __attribute__((always_inline)) {
           constexpr int kSlot = decltype(s)::value;
-          store_tail(s);  // first: its accumulators' registers are free for StoreTile's
-          StoreTile<SlotKind<Kind0, Kind1, kSlot>, (kClusterM > 1)>(
-              c.gemm[kSlot], tile, smem, thread, {tile.m0 + wg * kWarpgroupRows, 0}, acc);
-          zero_tail(s);
-          publish(s);
+          const WarpgroupPart part{tile.m0 + wg * kWarpgroupRows, 0};
+          if constexpr (Kind0::kTmaStore) {
+            StageSlab(c.gemm[kSlot], tile, smem, thread, part, acc, cs.slabs, slabs_posted,
+                      kSlot);
+          } else {
+            store_tail(s);  // first: its accumulators' registers are free for StoreTile's
+            StoreTile<SlotKind<Kind0, Kind1, kSlot>, (kClusterM > 1)>(c.gemm[kSlot], tile, smem,
+                                                                      thread, part, acc);
+            zero_tail(s);
+            publish(s);
+          }
         });
       } else if constexpr (kSched == Schedule::kRowsByGroup) {
         // Half: both warpgroups on the 64 rows, one column part each. Narrow: each on its own
@@ -367,26 +399,11 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
         });
       }
     }
-    // The staging must outlive the last TMA stores' reads of it.
-    if (thread % 128 == 0) BulkWaitAll();
-  }
-  if (next) {
-    // Every stage has been consumed and every store has read its staging. The next chain lays
-    // its stages over this one's generic-proxy data (and the reverse): order the two proxies'
-    // accesses, then end the barriers' lives.
-    FenceProxyAsyncShared();
-    CtaSync();
-    if (kProducer && threadIdx.x == 0) {
-      for (int s = 0; s < Kind0::kStages; ++s) {
-        BarrierInval(&smem.full[s]);
-        BarrierInval(&smem.empty[s]);
-      }
-      for (int s = 0; s < kTileSlots; ++s) {
-        BarrierInval(&cs.slot_full[s]);
-        BarrierInval(&cs.slot_empty[s]);
-      }
+    // The staging must outlive the last TMA stores' reads of it: the storer says when.
+    if (thread % 128 == 0) {
+      if constexpr (Kind0::kTmaStore) EndSlabs(cs.slabs, thread / 128, slabs_posted);
+      else BulkWaitAll();
     }
-    CtaSync();
   }
 }
 
@@ -398,46 +415,13 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
   using C = GemmConfig;
   if (threadIdx.x < 128) {
     SetMaxRegistersDec<kClusterM == 1 ? C::kProducerRegs : C::kClusterProducerRegs>();
-    RunChain<Kind0, Kind1, kSlots, true, kClusterM>(c, smem_raw, false);
+    RunChain<Kind0, Kind1, kSlots, true, kClusterM>(c, smem_raw);
   } else {
     SetMaxRegistersInc<kClusterM == 1 ? C::kConsumerRegs : C::kClusterConsumerRegs>();
-    RunChain<Kind0, Kind1, kSlots, false, kClusterM>(c, smem_raw, false);
+    RunChain<Kind0, Kind1, kSlots, false, kClusterM>(c, smem_raw);
   }
   // No CTA leaves while its peer may still multicast into it or arrive on its barriers.
   if constexpr (kClusterM > 1) ClusterSync();
-#endif
-}
-
-// Two independent chains in one launch: CTAs [0, ctas_a) take chain a's tiles first, the
-// others chain b's, and each CTA goes on to the other chain once its own has no tiles left, so
-// that no SM idles while either has work. Nothing of one chain waits for the other; both take
-// their tiles from their queues. The backward runs its dx GEMM beside its weight gradients so:
-// the first reads the weights from HBM, the second writes their gradients, and each alone
-// leaves HBM or the tensor pipe idle much of its time.
-template <class KindA0, class KindA1, class KindB0, class KindB1>
-__global__ void __launch_bounds__(GemmConfig::kThreads, 1)
-    DualChainKernel(const __grid_constant__ ChainParams a, const __grid_constant__ ChainParams b,
-                    int ctas_a) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  extern __shared__ uint8_t smem_raw[];
-  const bool a_first = static_cast<int>(blockIdx.x) < ctas_a;
-  auto run = [&](auto producer) __attribute__((always_inline)) {
-    constexpr bool kProducer = decltype(producer)::value;
-    if (a_first) {
-      RunChain<KindA0, KindA1, kMaxChain, kProducer>(a, smem_raw, true);
-      RunChain<KindB0, KindB1, kMaxChain, kProducer>(b, smem_raw, false);
-    } else {
-      RunChain<KindB0, KindB1, kMaxChain, kProducer>(b, smem_raw, true);
-      RunChain<KindA0, KindA1, kMaxChain, kProducer>(a, smem_raw, false);
-    }
-  };
-  if (threadIdx.x < 128) {
-    SetMaxRegistersDec<GemmConfig::kProducerRegs>();
-    run(std::true_type{});
-  } else {
-    SetMaxRegistersInc<GemmConfig::kConsumerRegs>();
-    run(std::false_type{});
-  }
 #endif
 }
 

@@ -2,7 +2,6 @@
 #pragma once
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <map>
@@ -277,33 +276,6 @@ const char* LaunchQueued(const ChainParams& c, cudaStream_t stream) {
       return LaunchChain<Kind0, Kind1, kMaxChain, 2>(c, std::min<int64_t>(tiles, sms), stream);
   }
   return LaunchChain<Kind0, Kind1, kMaxChain>(c, std::min<int64_t>(tiles, sms), stream);
-}
-
-// The independent chains `a` and `b` (no slot of either waits for counts) in one persistent
-// launch (DualChainKernel): the CTAs start on the two in proportion to `share_a` (in [0, 1])
-// and each goes on to the other chain when its own runs out.
-template <class KindA0, class KindA1, class KindB0, class KindB1>
-const char* LaunchDual(const ChainParams& a, const ChainParams& b, double share_a,
-                       cudaStream_t stream) {
-  int64_t tiles_a = 0, tiles_b = 0;
-  if (auto err = ChainTiles<KindA0>(a, &tiles_a)) return err;
-  if (auto err = ChainTiles<KindB0>(b, &tiles_b)) return err;
-  for (int i = 0; i < kMaxChain; ++i) {
-    if (a.wait_base[i] >= 0 || b.wait_base[i] >= 0)
-      return "the chains of a dual launch cannot wait for counts";
-  }
-  if (tiles_a + tiles_b == 0) return nullptr;
-  int sms = 0;
-  if (auto err = SmCount(&sms)) return err;
-  const int64_t ctas = std::min<int64_t>(tiles_a + tiles_b, sms);
-  const int64_t ctas_a =
-      tiles_b == 0   ? ctas
-      : tiles_a == 0 ? 0
-                     : std::clamp<int64_t>(std::llround(share_a * static_cast<double>(ctas)), 1,
-                                           ctas - 1);
-  return LaunchGemmKernel(DualChainKernel<KindA0, KindA1, KindB0, KindB1>,
-                          std::max(kGemmSmemBytes<KindA0>, kGemmSmemBytes<KindB0>), ctas,
-                          stream, a, b, static_cast<int>(ctas_a));
 }
 
 // An empty chain: no slot has tiles, waits or counts.
