@@ -75,8 +75,9 @@ struct GemmKind {
   static constexpr bool kKMajorA = kMajorA_ == cute::GMMA::Major::K;
   static constexpr bool kKMajorB = kMajorB_ == cute::GMMA::Major::K;
   // The weight gradients stage their whole bf16 output tile (64 KB) in shared memory, which
-  // TMA stores while the consumers go on to the next tile, and keep three pipeline stages to
-  // make room for it; the others stage 64 columns at a time beside four stages.
+  // storer threads' TMA stores write out while the consumers go on to the next tile (StageSlab),
+  // and keep the room of three 64-deep pipeline stages for it; the others stage 64 columns at a
+  // time beside four stages.
   //
   // NOTES: a weight-gradient tile has 2 to 6 k-steps and a 64 KB output tile: with 16-byte
   // st.global stores (or TMA stores from two 4 KB halves, which the warpgroup waits on in
