@@ -310,7 +310,7 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
       // results/h200/h200_publish_ab.txt).
       auto publish = [&](auto s) __attribute__((always_inline)) {
         constexpr int kSlot = decltype(s)::value;
-        if (!Kind0::kTmaStore && c.ready_base[kSlot] >= 0) {
+        if (c.ready_base[kSlot] >= 0) {
           if (thread % 128 == 0) BulkWaitAll();
           FenceProxyAsyncGlobal();
           NamedBarrierSync(1, kConsumerThreads);

@@ -214,11 +214,6 @@ __device__ __forceinline__ void StoreGlobal128(void* p, uint4 v) {
 // non-aligned barrier.sync; __syncthreads is the aligned form, which they may not).
 __device__ __forceinline__ void CtaSync() { asm volatile("barrier.sync 0;" ::: "memory"); }
 
-// Ends the barrier's life: its memory may then hold anything else, or a new barrier.
-__device__ __forceinline__ void BarrierInval(uint64_t* bar) {
-  asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(SmemAddr(bar)) : "memory");
-}
-
 // bar.sync on a named barrier among `threads` threads (a multiple of 32).
 __device__ __forceinline__ void NamedBarrierSync(uint32_t id, uint32_t threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");

@@ -130,7 +130,8 @@ def digest(a) -> str:
 
 def short(kernel):
   """GemmChainKernel<GemmKind<Major A, Major B, Epilogue, Schedule>...> -> gemm<A B epi sched>;
-  DualChainKernel<chain a's first kind, ..., chain b's first kind, ...> -> dual<a>_<b>."""
+  DualChainKernel<chain a's first kind, ..., chain b's first kind, ...> -> dual<a>_<b> (the
+  backward's launch in builds before 2026-12-01, which A/Bs still measure)."""
   kinds = ["".join(k) for k in re.findall(r"\)(\d+)[^)]*\)(\d+)[^)]*\)(\d+)[^)]*\)(\d+)",
                                              kernel)]
   if "GemmChainKernel" in kernel and kinds:
