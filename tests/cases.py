@@ -305,14 +305,16 @@ def cuda_digests(routing: str = "") -> dict:
 
 @functools.cache
 def cuda_digests_with(xla_flags: str, clusters: str = "", tails: str = "",
-                      routing: str = "") -> dict:
+                      routing: str = "", runs: str = "") -> dict:
   """cuda_digests(routing) in a fresh process with XLA_FLAGS=xla_flags (XLA reads them once,
   when JAX starts its backends) and, if given, MOK_GEMM_CLUSTER=clusters ("1": one CTA a tile,
-  "2": clusters of two in every row-grouped launch) and MOK_GEMM_TAILS=tails (the most row
-  tiles an expert's tail rides in), each read once per process; one process per arguments for
-  the forward and the backward tests."""
+  "2": clusters of two in every row-grouped launch), MOK_GEMM_TAILS=tails (the most row
+  tiles an expert's tail rides in) and MOK_WGRAD_RUN=runs (the weight-gradient tiles a CTA
+  takes at once), each read once per process; one process per arguments for the forward and
+  the backward tests."""
   env = dict(os.environ, XLA_FLAGS=xla_flags)
-  for name, value in (("MOK_GEMM_CLUSTER", clusters), ("MOK_GEMM_TAILS", tails)):
+  for name, value in (("MOK_GEMM_CLUSTER", clusters), ("MOK_GEMM_TAILS", tails),
+                      ("MOK_WGRAD_RUN", runs)):
     env.pop(name, None)
     if value:
       env[name] = value
@@ -320,7 +322,7 @@ def cuda_digests_with(xla_flags: str, clusters: str = "", tails: str = "",
   code = f"import json, cases; print(json.dumps(cases.cuda_digests({routing!r})))"
   done = subprocess.run([sys.executable, "-c", code], env=env, cwd=here, capture_output=True,
                         text=True, timeout=600)
-  assert done.returncode == 0, (f"XLA_FLAGS={xla_flags} {clusters} {tails} {routing}: "
+  assert done.returncode == 0, (f"XLA_FLAGS={xla_flags} {clusters} {tails} {routing} {runs}: "
                                 f"{done.stderr[-4000:]}")
   return json.loads(done.stdout.strip().splitlines()[-1])
 

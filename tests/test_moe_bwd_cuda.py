@@ -111,6 +111,21 @@ def test_same_bits_however_tails_ride(block_m):
 
 
 @pytest.mark.parametrize("block_m", ops.CUDA_BLOCK_MS)
+def test_same_bits_however_weight_gradient_tiles_run(block_m):
+  """The weight gradients have the same bits whether a CTA takes their tiles one at a time
+  (MOK_WGRAD_RUN=1) or in runs of 3 or 8 (unset: 8 on this case's 128 routes an expert), whose
+  tiles of one column tile load B's k-tiles once; y and the other gradients too."""
+  runs = {r: cuda_digests_with(NO_COMMAND_BUFFER_FLAGS, runs=r)[str(block_m)]
+          for r in ("1", "3", "")}
+  base = runs["1"]
+  for key, run in runs.items():
+    assert run["fwd"] == base["fwd"], key
+    differ = sorted(name for name in base["grad"][0]
+                    if name != "loss" and run["grad"][0][name] != base["grad"][0][name])
+    assert not differ, f"MOK_WGRAD_RUN = {key!r}: different bits in {differ}"
+
+
+@pytest.mark.parametrize("block_m", ops.CUDA_BLOCK_MS)
 def test_bitwise_deterministic(block_m):
   case = make_case(4096, 512, 256, 64, 8, Is=128, dtype=BF16, seed=5)
   config = mok_jax.Config(block_m=block_m)

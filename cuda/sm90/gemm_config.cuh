@@ -66,12 +66,17 @@ enum class Schedule {
 // The compile-time shape of one GEMM: operand majors (K: the reduction is contiguous in
 // memory; MN: the other dimension is), epilogue, schedule.
 template <cute::GMMA::Major kMajorA_, cute::GMMA::Major kMajorB_, Epilogue kEpi_,
-          Schedule kSched_>
+          Schedule kSched_, bool kRuns_ = false>
 struct GemmKind {
   static constexpr cute::GMMA::Major kMajorA = kMajorA_;
   static constexpr cute::GMMA::Major kMajorB = kMajorB_;
   static constexpr Epilogue kEpi = kEpi_;
   static constexpr Schedule kSched = kSched_;
+  // kGroupedK only: the queue hands out runs of tiles (ChainParams::run_tiles) whose tiles of
+  // one column tile load B's k-tiles once (GemmTile::keep_b); a kernel of its own, so that the
+  // launches without runs keep the ring and register split that measured faster for them.
+  static constexpr bool kRuns = kRuns_;
+  static_assert(!kRuns_ || kSched_ == Schedule::kGroupedK, "runs are the weight gradients'");
   static constexpr bool kKMajorA = kMajorA_ == cute::GMMA::Major::K;
   static constexpr bool kKMajorB = kMajorB_ == cute::GMMA::Major::K;
   // The weight gradients stage their whole bf16 output tile (64 KB) in shared memory, which
@@ -191,6 +196,10 @@ struct ChainParams {
                                // weights stay together in time, and no CTA waits for a tile
                                // that is not already running.
   int32_t* ready;              // finished column tiles per row tile (zero before launch)
+  // kGroupedK: the queue hands out runs of this many consecutive tiles (1: tiles), which one
+  // CTA takes in turn; the tiles of a run with one group and column tile, whose reduction fits
+  // in the stages, load B's k-tiles once (GemmTile::keep_b).
+  int run_tiles;
 };
 
 }  // namespace mok::sm90

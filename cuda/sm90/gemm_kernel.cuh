@@ -185,8 +185,8 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
   if constexpr (kClusterM > 1) ClusterSync();
   else CtaSync();
 
-  // Both roles walk the same tiles in the same order; `it` keeps their rings in step.
-  uint32_t it = 0;
+  // Both roles walk the same tiles in the same order; `it` keeps their stages in step.
+  std::conditional_t<Kind0::kRuns, StageRing, uint32_t> it{};
   if constexpr (kProducer) {
     // The first threads of warps 1 and 2: the storers of consumer warpgroups 0 and 1
     // (StageSlab).
@@ -236,12 +236,27 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
             p, p.offsets ? smem.offsets : nullptr, p.offsets ? tile_start : nullptr, used_end,
             linear - cs.first_tile[decltype(slot)::value]);
       };
+      // Runs (kGroupedK): the run's next tile and how many of it are left; the tile before.
+      const bool runs = Kind0::kRuns && kClusterM == 1 && c.run_tiles > 1;
+      int64_t run_next = 0;
+      int run_left = 0;
+      int last_i = -1, last_group = -1, last_n_tile = -1;  // of a tile in fixed stages
       for (uint32_t j = 0;; ++j) {
         const int slot = j % kTileSlots;
         // Tiles go out in queue order, as SMs free up (tiles waiting on rows, ragged row tiles,
         // CTAs that join from another chain).
         int64_t linear;
-        if (kClusterM == 1 || rank == 0) {
+        bool run_first = true;
+        if (runs) {
+          if (run_left == 0) {
+            run_next = int64_t{atomicAdd(c.queue, 1)} * c.run_tiles;
+            run_left = c.run_tiles;
+          } else {
+            run_first = false;
+          }
+          linear = run_next++;
+          --run_left;
+        } else if (kClusterM == 1 || rank == 0) {
           linear = atomicAdd(c.queue, 1);
           if constexpr (kClusterM > 1) {
             BarrierWaitCluster(&cs.unit_empty[slot], ((j / kTileSlots) & 1) ^ 1);
@@ -260,7 +275,15 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
           WithSlot<kSlots>(i, [&](auto s) __attribute__((always_inline)) {
             tile = schedule(s, linear);
           });
+          if (runs) {
+            // Same slot, group and column tile as the tile before in this run: the same B.
+            tile.fixed_stages = tile.num_k <= Kind0::kStages;
+            tile.keep_b = !run_first && tile.fixed_stages && last_i == i &&
+                          last_group == tile.group && last_n_tile == tile.n_tile;
+          }
         }
+        last_i = tile.fixed_stages ? i : -1;
+        last_group = tile.group, last_n_tile = tile.n_tile;
         BarrierWait(&cs.slot_empty[slot], ((j / kTileSlots) & 1) ^ 1);
         cs.slot_tile[slot] = tile;
         cs.slot_chain[slot] = i;
@@ -413,11 +436,14 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ uint8_t smem_raw[];
   using C = GemmConfig;
+  // The weight gradients' producer also keeps the runs of its queue (ChainParams::run_tiles),
+  // which spilled at kProducerRegs; their consumers fit in the clustered launches' split.
+  constexpr bool kWideProducer = kClusterM > 1 || Kind0::kRuns;
   if (threadIdx.x < 128) {
-    SetMaxRegistersDec<kClusterM == 1 ? C::kProducerRegs : C::kClusterProducerRegs>();
+    SetMaxRegistersDec<kWideProducer ? C::kClusterProducerRegs : C::kProducerRegs>();
     RunChain<Kind0, Kind1, kSlots, true, kClusterM>(c, smem_raw);
   } else {
-    SetMaxRegistersInc<kClusterM == 1 ? C::kConsumerRegs : C::kClusterConsumerRegs>();
+    SetMaxRegistersInc<kWideProducer ? C::kClusterConsumerRegs : C::kConsumerRegs>();
     RunChain<Kind0, Kind1, kSlots, false, kClusterM>(c, smem_raw);
   }
   // No CTA leaves while its peer may still multicast into it or arrive on its barriers.

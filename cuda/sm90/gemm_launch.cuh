@@ -81,6 +81,29 @@ inline int MaxTails(const GemmParams& p) {
   return FewRowsPerGroup(p) ? GemmConfig::kBlockM / kTailRows : 1;
 }
 
+// The tiles a CTA takes at once from the weight gradients' queue (ChainParams::run_tiles):
+// runs of kRunTiles where experts average at most kRunRoutes routes, so that most of their
+// reductions fit in the stages (6 x 32 rows) and a run's tiles, which share a column tile of
+// one expert (a band of the tile order, RasterRows), load B's k-tiles once; else tiles one at a
+// time. MOK_WGRAD_RUN overrides (a diagnostic; 1 = tiles).
+//
+// NOTES: H200, 2026-12-01, tools/ab, forward+backward, two rounds: dsv3's weight-gradient launch
+// 8.41, 8.43 -> 7.82, 7.98 ms (wall 23.39, 23.50 -> 22.92, 22.98); the other bench shapes take
+// no runs and the same kernel as before. With the runs' ring and 56/224 split in the one kernel
+// of every shape, those without runs took 3-5% longer (gptoss_120b 3.64 -> 3.81 ms), hence
+// BwdWeightRuns; in the 40/232 split the runs' producer spills 36 bytes and dsv3 took 8.18, 8.48.
+constexpr int kRunTiles = 8;
+constexpr int64_t kRunRoutes = 160;
+
+inline int WeightGradRunTiles(int64_t routes, int64_t experts) {
+  static const int forced = [] {
+    const char* env = std::getenv("MOK_WGRAD_RUN");
+    return env ? std::max(1, std::atoi(env)) : 0;
+  }();
+  if (forced > 0) return forced;
+  return routes <= kRunRoutes * experts ? kRunTiles : 1;
+}
+
 // The fields that place a GEMM's rows: the groups of `offsets` (null: one group of m rows).
 inline GemmParams RowGroups(const int32_t* offsets, int block_m, int groups, int64_t m) {
   GemmParams p{};
@@ -284,6 +307,7 @@ inline ChainParams EmptyChain() {
   for (int i = 0; i < kMaxChain; ++i) {
     c.wait_base[i] = -1, c.wait_count[i] = 0, c.ready_base[i] = -1;
   }
+  c.run_tiles = 1;
   return c;
 }
 
@@ -296,5 +320,8 @@ using BwdDown = GemmKind<Major::K, Major::K, Epilogue::kSwiGLUBwd, Schedule::kRo
 using BwdGateUp = GemmKind<Major::K, Major::K, Epilogue::kStoreF32, Schedule::kRowsByGroup>;
 // Backward weight gradients: dW_g = A[rows of g]^T @ B[rows of g].
 using BwdWeights = GemmKind<Major::MN, Major::MN, Epilogue::kStore, Schedule::kGroupedK>;
+// The same in runs of tiles (ChainParams::run_tiles > 1).
+using BwdWeightRuns =
+    GemmKind<Major::MN, Major::MN, Epilogue::kStore, Schedule::kGroupedK, /*kRuns=*/true>;
 
 }  // namespace mok::sm90

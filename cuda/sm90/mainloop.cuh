@@ -78,8 +78,46 @@ using GemmSmemOf =
              kWarpgroupRows * (Kind::kTmaStore ? GemmConfig::kBlockN : kStageCols),
              Kind::kTail ? kTailRows * Kind::kBlockK : 8>;
 
-// Producer: one thread issues every TMA of the tile. `it` counts the k-steps of all earlier
-// tiles of this CTA: the ring position and phase continue across tiles.
+// Where a k-step's stage is and which phase of its barriers comes next. The row-grouped GEMMs
+// walk the stages as a ring: `it` (uint32_t) counts the k-steps of all earlier tiles of this
+// CTA. The weight gradients keep a StageRing instead: a tile of a run whose reduction fits in
+// the stages (fixed_stages) takes its k-step kt in stage kt, so that the run's later tiles find
+// their B k-tiles where its first tile loaded them (keep_b); other tiles walk the ring. Each
+// stage's phase is then its own bit, flipped at each use, by the producer and the consumers
+// alike.
+struct StageRing {
+  uint32_t next = 0;    // the ring's next stage (mod kStages), for tiles that walk it
+  uint32_t phases = 0;  // bit s: the uses of stage s so far, mod 2
+};
+
+template <class Kind>
+__device__ __forceinline__ int StageOf(uint32_t it, int, bool) {
+  return static_cast<int>(it % Kind::kStages);
+}
+template <class Kind>
+__device__ __forceinline__ uint32_t PhaseOf(uint32_t it, int) {
+  return (it / Kind::kStages) & 1;
+}
+template <class Kind>
+__device__ __forceinline__ void Advance(uint32_t& it, int, bool) {
+  ++it;
+}
+template <class Kind>
+__device__ __forceinline__ int StageOf(const StageRing& r, int kt, bool fixed) {
+  return fixed ? kt : static_cast<int>(r.next % Kind::kStages);
+}
+template <class Kind>
+__device__ __forceinline__ uint32_t PhaseOf(const StageRing& r, int s) {
+  return (r.phases >> s) & 1;
+}
+template <class Kind>
+__device__ __forceinline__ void Advance(StageRing& r, int s, bool fixed) {
+  r.phases ^= 1u << s;
+  if (!fixed) ++r.next;
+}
+
+// Producer: one thread issues every TMA of the tile. `it`: where the tile's k-steps find their
+// stages and phases (StageOf), continued across the tiles of this CTA.
 //
 // In clusters of kClusterM = 2 (ScheduleUnit), a tile that shares B (shared_b) loads its
 // rank's half of B's k-tile (kSwiGLU: rank 0 the w_gate columns, rank 1 the w_up ones)
@@ -87,9 +125,9 @@ using GemmSmemOf =
 // shares A (shared_a) takes its A from rank 0's load, multicast to both; an absent tile
 // loads nothing but still completes each stage's phase. Every CTA's `empty` barriers count the
 // consumers of both (MmaSteps), so both producers refill a stage only once both have read it.
-template <class Kind, int kClusterM = 1, class Smem>
+template <class Kind, int kClusterM = 1, class Smem, class Ring>
 __device__ __forceinline__ void LoadTile(const GemmParams& p, const GemmTile& tile, Smem& smem,
-                                         int rank, uint32_t& it) {
+                                         int rank, Ring& it) {
   using C = GemmConfig;
   constexpr int kBox = C::kBoxInner * Kind::kBlockK;  // elements of one MN-major panel
   const int n0 = tile.n_tile * C::kBlockN;
@@ -104,27 +142,34 @@ __device__ __forceinline__ void LoadTile(const GemmParams& p, const GemmTile& ti
   const bool half_b = Kind::kSched == Schedule::kRowsByGroup && tile.narrow;
   constexpr uint32_t kTailBytes = kTailRows * Kind::kBlockK * sizeof(bf16_t);
   const bool tail = Kind::kTail && tile.tail;
+  // kGroupedK: B's k-tiles are already in the stages (keep_b): only A comes in.
+  constexpr uint32_t kFullB = C::kBlockN * Kind::kBlockK * sizeof(bf16_t);
+  const bool keep_b = Kind::kRuns && tile.keep_b;
+  const bool fixed = tile.fixed_stages;
   const uint32_t stage_bytes = Kind::kStageBytes - (half_a ? kHalfA : 0) -
-                               (half_b ? kHalfB : 0) + (tail ? kTailBytes : 0);
+                               (half_b ? kHalfB : 0) + (tail ? kTailBytes : 0) -
+                               (keep_b ? kFullB : 0);
   const CUtensorMap* a_map = half_a ? &p.a_half : &p.a;
   const CUtensorMap* b0_map = half_b ? &p.b0_half : &p.b0;
   const CUtensorMap* b1_map = half_b ? &p.b1_half : &p.b1;
   if (kClusterM > 1 && tile.absent) {
-    for (int kt = 0; kt < tile.num_k; ++kt, ++it) {
-      const int s = it % Kind::kStages;
-      BarrierWait(&smem.empty[s], ((it / Kind::kStages) & 1) ^ 1);
+    for (int kt = 0; kt < tile.num_k; ++kt) {
+      const int s = StageOf<Kind>(it, kt, fixed);
+      BarrierWait(&smem.empty[s], PhaseOf<Kind>(it, s) ^ 1);
       BarrierArrive(&smem.full[s]);
+      Advance<Kind>(it, s, fixed);
     }
     return;
   }
   const bool shared_b = kClusterM > 1 && tile.shared_b;
   const bool shared_a = kClusterM > 1 && tile.shared_a;
   constexpr uint16_t kBoth = 0x3;
-  for (int kt = 0; kt < tile.num_k; ++kt, ++it) {
-    const int s = it % Kind::kStages;
-    const uint32_t round = it / Kind::kStages;
+  for (int kt = 0; kt < tile.num_k; ++kt) {
+    const int s = StageOf<Kind>(it, kt, fixed);
     const int kk = kt * Kind::kBlockK;
-    BarrierWait(&smem.empty[s], (round & 1) ^ 1);  // the first round finds every stage free
+    // The first use of a stage finds it free.
+    BarrierWait(&smem.empty[s], PhaseOf<Kind>(it, s) ^ 1);
+    Advance<Kind>(it, s, fixed);
     BarrierArriveExpectTx(&smem.full[s], stage_bytes);
     if constexpr (Kind::kKMajorA) {
       const auto m0 = static_cast<int32_t>(tile.m0);
@@ -173,7 +218,7 @@ __device__ __forceinline__ void LoadTile(const GemmParams& p, const GemmTile& ti
         constexpr int kHalf = C::kBlockN / C::kBoxInner / 2;
         TmaLoad3d(smem.b[s] + rank * kHalf * kBox, &p.b0_half, &smem.full[s], 0, row,
                   n0 / C::kBoxInner + rank * kHalf, kBoth);
-      } else {
+      } else if (!keep_b) {
         TmaLoad3d(smem.b[s], b0_map, &smem.full[s], 0, row, n0 / C::kBoxInner);
       }
     }
@@ -195,14 +240,15 @@ __device__ __forceinline__ void ReleaseStage(uint64_t* empty) {
 // The consumers' side of an absent tile (LoadTile): each stage's phase is waited for and the
 // stage released. A named barrier keeps the warpgroup's four warps together, as wgmma does in
 // MmaSteps: a warp that slept through a refill of its stage would wait for the wrong phase.
-template <class Kind, int kClusterM, class Smem>
+template <class Kind, int kClusterM, class Smem, class Ring>
 __device__ __forceinline__ void SkipSteps(Smem& smem, int num_k, int wg, bool releaser,
-                                          uint32_t& it) {
-  for (int kt = 0; kt < num_k; ++kt, ++it) {
-    const int s = it % Kind::kStages;
-    BarrierWait(&smem.full[s], (it / Kind::kStages) & 1);
+                                          Ring& it) {
+  for (int kt = 0; kt < num_k; ++kt) {
+    const int s = StageOf<Kind>(it, kt, false);
+    BarrierWait(&smem.full[s], PhaseOf<Kind>(it, s));
     NamedBarrierSync(2 + wg, 128);
     if (releaser) ReleaseStage<kClusterM>(&smem.empty[s]);
+    Advance<Kind>(it, s, false);
   }
 }
 
@@ -215,10 +261,10 @@ struct NoTail {
 // `extra` adds its own wgmmas on stage s to each k-step's batch (step(s, first)) and fences its
 // accumulators with acc's (fence()): a tail tile's (TailMma).
 template <class Kind, int kClusterM, class Mma, class FragA, class FragB, class Smem, class Accum,
-          class Extra = NoTail>
+          class Ring, class Extra = NoTail>
 __device__ __forceinline__ void MmaSteps(Mma& mma, const FragA& tCrA, const FragB& tCrB,
-                                         Smem& smem, int num_k, bool releaser, Accum& acc,
-                                         uint32_t& it, Extra extra = {}) {
+                                         Smem& smem, int num_k, bool fixed, bool releaser,
+                                         Accum& acc, Ring& it, Extra extra = {}) {
   using namespace cute;
   if (num_k == 0) {  // an empty group: its weight gradient is zero
     clear(acc);
@@ -226,9 +272,10 @@ __device__ __forceinline__ void MmaSteps(Mma& mma, const FragA& tCrA, const Frag
   }
   mma.accumulate_ = GMMA::ScaleOut::Zero;
   int previous = 0;
-  for (int kt = 0; kt < num_k; ++kt, ++it) {
-    const int s = it % Kind::kStages;
-    BarrierWait(&smem.full[s], (it / Kind::kStages) & 1);
+  for (int kt = 0; kt < num_k; ++kt) {
+    const int s = StageOf<Kind>(it, kt, fixed);
+    BarrierWait(&smem.full[s], PhaseOf<Kind>(it, s));
+    Advance<Kind>(it, s, fixed);
     warpgroup_fence_operand(acc);
     extra.fence();
     warpgroup_arrive();
@@ -313,9 +360,10 @@ __device__ __forceinline__ auto MakeTailMma(Smem& smem, int wg, int wg_thread, A
 
 // Consumers: accumulate the (128, 256) tile; each warpgroup owns 64 rows of it. `thread` is the
 // index among the 256 consumer threads.
-template <class Kind, int kClusterM = 1, class Smem, class Accum, class Extra = NoTail>
+template <class Kind, int kClusterM = 1, class Smem, class Accum, class Ring,
+          class Extra = NoTail>
 __device__ __forceinline__ void MmaTile(const GemmTile& tile, Smem& smem, int thread,
-                                        Accum& acc, uint32_t& it, Extra extra = {}) {
+                                        Accum& acc, Ring& it, Extra extra = {}) {
   using namespace cute;
   using L = GemmLayouts<Kind>;
   Tensor sA = make_tensor(make_smem_ptr(&smem.a[0][0]), typename L::SmemA{});  // (BM, BK, PIPE)
@@ -324,8 +372,8 @@ __device__ __forceinline__ void MmaTile(const GemmTile& tile, Smem& smem, int th
   auto thr = mma.get_thread_slice(thread);
   Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // (MMA, MMA_M, MMA_K, PIPE)
   Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));  // (MMA, MMA_N, MMA_K, PIPE)
-  MmaSteps<Kind, kClusterM>(mma, tCrA, tCrB, smem, tile.num_k, thread % 128 == 0, acc, it,
-                            extra);
+  MmaSteps<Kind, kClusterM>(mma, tCrA, tCrB, smem, tile.num_k, tile.fixed_stages,
+                            thread % 128 == 0, acc, it, extra);
 }
 
 // A split tile, for tiles with at most 64 rows (half) or at most half of their columns (narrow)
@@ -365,7 +413,7 @@ __device__ __forceinline__ void MmaTileSplit(const GemmTile& tile, Smem& smem, i
   auto thr = mma.get_thread_slice(wg_thread);
   Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA_part));
   Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB_part));
-  MmaSteps<Kind, kClusterM>(mma, tCrA, tCrB, smem, tile.num_k, wg_thread == 0, acc, it,
+  MmaSteps<Kind, kClusterM>(mma, tCrA, tCrB, smem, tile.num_k, false, wg_thread == 0, acc, it,
                             extra);
 }
 

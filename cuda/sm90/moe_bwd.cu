@@ -158,6 +158,7 @@ const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
   if (auto err = DataGradChains(mlps, mlp_count, &down, &dx)) return err;
   if (auto err = WeightGradChain(mlps, mlp_count, &weights)) return err;
   down.queue = a.queue + 1, dx.queue = a.queue + 3, weights.queue = a.queue + 2;
+  weights.run_tiles = sm90::WeightGradRunTiles(a.T * a.k, a.E);
   if (auto err = sm90::LaunchQueued<sm90::BwdDown, sm90::BwdDown>(down, stream)) return err;
   // NOTES: until 2026-12-01 the two ran in one launch (DualChainKernel: 40% of the CTAs
   // started on dx_r, the rest on the weight gradients, each going on to the other chain when
@@ -167,8 +168,12 @@ const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
   // backward's dx_r and weight gradients apart). Apart, dx_r runs in clusters of two where
   // experts have few rows (UseClusters), which a dual launch cannot.
   if (auto err = sm90::LaunchQueued<sm90::BwdGateUp, sm90::BwdGateUp>(dx, stream)) return err;
-  if (auto err = sm90::LaunchQueued<sm90::BwdWeights, sm90::BwdWeights>(weights, stream))
+  if (weights.run_tiles > 1) {
+    if (auto err = sm90::LaunchQueued<sm90::BwdWeightRuns, sm90::BwdWeightRuns>(weights, stream))
+      return err;
+  } else if (auto err = sm90::LaunchQueued<sm90::BwdWeights, sm90::BwdWeights>(weights, stream)) {
     return err;
+  }
   sm90::CombineKernel<float, bf16><<<static_cast<unsigned>(CeilDiv(a.T, 8)), 256, 0, stream>>>(
       a.dx_routed, a.Is > 0 ? a.dx_shared : nullptr, a.pos, nullptr, a.T, k, H,
       static_cast<bf16*>(a.dx));

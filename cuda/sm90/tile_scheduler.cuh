@@ -38,6 +38,10 @@ struct GemmTile {
   bool tail;
   bool tail_last;
   int tail_at;
+  // kGroupedK in runs (ChainParams::run_tiles): k-step kt runs in stage kt (the reduction fits
+  // in the stages; StageOf), and B's k-tiles are those the tile before it left there (keep_b).
+  bool fixed_stages;
+  bool keep_b;
   // Half and narrow tiles are split (MmaTileSplit): a warpgroup multiplies 64 x 128.
   __host__ __device__ bool split() const { return half || narrow; }
 };
@@ -194,6 +198,8 @@ __device__ __forceinline__ GemmTile BlankTile() {
   t.tail = false;
   t.tail_last = false;
   t.tail_at = 0;
+  t.fixed_stages = false;
+  t.keep_b = false;
   t.k_begin = 0;
   t.group = 0;
   return t;
