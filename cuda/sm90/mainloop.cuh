@@ -80,11 +80,11 @@ using GemmSmemOf =
 
 // Where a k-step's stage is and which phase of its barriers comes next. The row-grouped GEMMs
 // walk the stages as a ring: `it` (uint32_t) counts the k-steps of all earlier tiles of this
-// CTA. The weight gradients keep a StageRing instead: a tile of a run whose reduction fits in
-// the stages (fixed_stages) takes its k-step kt in stage kt, so that the run's later tiles find
-// their B k-tiles where its first tile loaded them (keep_b); other tiles walk the ring. Each
-// stage's phase is then its own bit, flipped at each use, by the producer and the consumers
-// alike.
+// CTA, and so do the weight gradients without runs. Those in runs (GemmKind::kRuns) keep a
+// StageRing instead: a tile of a run whose reduction fits in the stages (fixed_stages) takes
+// its k-step kt in stage kt, so that the run's later tiles find their B k-tiles where its first
+// tile loaded them (keep_b); other tiles walk the ring. Each stage's phase is then its own bit,
+// flipped at each use, by the producer and the consumers alike.
 struct StageRing {
   uint32_t next = 0;    // the ring's next stage (mod kStages), for tiles that walk it
   uint32_t phases = 0;  // bit s: the uses of stage s so far, mod 2
