@@ -93,6 +93,17 @@ def test_gradients_with_spread_tails(block_m):
   assert not differ, f"recompute: different bits in {differ}"
 
 
+def assert_same_digests(runs, base, knobs):
+  """Every call of each of `runs` (cuda_digests_with's for one block_m, keyed by the knobs'
+  values) has the bits of base's first: y, the loss and every gradient."""
+  assert set(base["grad"][0]) == {"loss", "y", *GRAD_NAMES}, base["grad"][0].keys()
+  for key, run in runs.items():
+    assert run["fwd"] == [base["fwd"][0]] * REPLAYS, (knobs, key)
+    for i, replay in enumerate(run["grad"]):
+      differ = sorted(name for name in base["grad"][0] if replay[name] != base["grad"][0][name])
+      assert not differ, f"{knobs} = {key!r}, call {i}: different bits in {differ}"
+
+
 @pytest.mark.parametrize("block_m", ops.CUDA_BLOCK_MS)
 def test_same_bits_however_tails_ride(block_m):
   """y and every gradient have the same bits whether an expert's last rows ride in its full row
@@ -101,13 +112,7 @@ def test_same_bits_however_tails_ride(block_m):
   runs = {(tails, clusters): cuda_digests_with(NO_COMMAND_BUFFER_FLAGS, clusters, tails,
                                                "tails")[str(block_m)]
           for tails, clusters in (("", "1"), ("1", "1"), ("0", "1"), ("", "2"))}
-  base = runs[("", "1")]
-  assert set(base["grad"][0]) == {"loss", "y", *GRAD_NAMES}, base["grad"][0].keys()
-  for key, run in runs.items():
-    assert run["fwd"] == base["fwd"], key
-    differ = sorted(name for name in base["grad"][0]
-                    if name != "loss" and run["grad"][0][name] != base["grad"][0][name])
-    assert not differ, f"MOK_GEMM_TAILS, MOK_GEMM_CLUSTER = {key}: different bits in {differ}"
+  assert_same_digests(runs, runs[("", "1")], "MOK_GEMM_TAILS, MOK_GEMM_CLUSTER")
 
 
 @pytest.mark.parametrize("block_m", ops.CUDA_BLOCK_MS)
@@ -117,12 +122,7 @@ def test_same_bits_however_weight_gradient_tiles_run(block_m):
   tiles of one column tile load B's k-tiles once; y and the other gradients too."""
   runs = {r: cuda_digests_with(NO_COMMAND_BUFFER_FLAGS, runs=r)[str(block_m)]
           for r in ("1", "3", "")}
-  base = runs["1"]
-  for key, run in runs.items():
-    assert run["fwd"] == base["fwd"], key
-    differ = sorted(name for name in base["grad"][0]
-                    if name != "loss" and run["grad"][0][name] != base["grad"][0][name])
-    assert not differ, f"MOK_WGRAD_RUN = {key!r}: different bits in {differ}"
+  assert_same_digests(runs, runs["1"], "MOK_WGRAD_RUN")
 
 
 @pytest.mark.parametrize("block_m", ops.CUDA_BLOCK_MS)
@@ -173,13 +173,8 @@ def test_same_bits_with_command_buffers(block_m):
 def test_same_bits_in_clusters(block_m):
   """The row-grouped launches in clusters of two CTAs (B and A shared by multicast, absent
   tiles walking their peer's k-steps) give y and every gradient the bits of one CTA a tile."""
-  alone = cuda_digests_with(NO_COMMAND_BUFFER_FLAGS, "1")[str(block_m)]
-  paired = cuda_digests_with(NO_COMMAND_BUFFER_FLAGS, "2")[str(block_m)]
-  assert set(alone["grad"][0]) == {"loss", "y", *GRAD_NAMES}, alone["grad"][0].keys()
-  assert paired["fwd"] == alone["fwd"]
-  for i, replay in enumerate(paired["grad"]):
-    differ = sorted(name for name in alone["grad"][0] if replay[name] != alone["grad"][0][name])
-    assert not differ, f"call {i} in clusters: different bits in {differ}"
+  runs = {c: cuda_digests_with(NO_COMMAND_BUFFER_FLAGS, c)[str(block_m)] for c in ("1", "2")}
+  assert_same_digests(runs, runs["1"], "MOK_GEMM_CLUSTER")
 
 
 def test_f32_partial_output_under_shard_map():
