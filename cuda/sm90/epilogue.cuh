@@ -19,8 +19,13 @@ namespace mok::sm90 {
 // NOTES: an IEEE division (FCHK, a slow path, a Newton step) per value made the SwiGLU
 // epilogue a tenth of a tile's time in ncu; __fdividef is one MUFU.RCP and a multiply (2 ulp).
 // For g < -87, 1 + exp(-g) overflows and both give 0, as silu(g) and sigmoid(g) round to.
-__device__ __forceinline__ float Sigmoid(float g) { return __fdividef(1.0f, 1.0f + __expf(-g)); }
-__device__ __forceinline__ float Silu(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
+//
+// exp(-g) is __expf's 2^(-g log2 e) with subnormal results flushed to zero (ex2.approx.ftz): one
+// MUFU.EX2, where __expf adds a range check and two multiplies to keep them. The same bits: for
+// g > 87 the flushed 2^(-g log2 e) is below half an ulp of 1, and 1 + it rounds to 1 either way.
+__device__ __forceinline__ float ExpNeg(float g) { return Exp2Ftz(g * -1.4426950408889634f); }
+__device__ __forceinline__ float Sigmoid(float g) { return __fdividef(1.0f, 1.0f + ExpNeg(g)); }
+__device__ __forceinline__ float Silu(float g) { return __fdividef(g, 1.0f + ExpNeg(g)); }
 
 __device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);

@@ -130,6 +130,13 @@ __device__ __forceinline__ void WaitAtLeast(const int32_t* flag, int32_t target)
 // Shared-memory accesses by 32-bit shared address. The GEMM's shared memory is reached through
 // a pointer realigned by integer arithmetic, which loses its address space: plain C++ accesses
 // through it compile to generic LD/ST.
+// 2^x, subnormal inputs and results flushed to zero.
+__device__ __forceinline__ float Exp2Ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ void StoreShared32(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
 }
