@@ -190,12 +190,15 @@ template <class Smem, class Accum>
 __device__ __forceinline__ void SwiGLUBwdStaged(const GemmParams& p, const GemmTile& tile,
                                                 Smem& smem, int thread, WarpgroupPart part,
                                                 const Accum& acc) {
-  constexpr int kCols = 32;  // g and u, 64 rows x 32 columns each, fill the 8 KB staging tile
+  // g (then dg), u (then du) and h, 64 rows x 32 columns each, fill the 12 KB staging tile.
+  constexpr int kCols = 32;
   constexpr int kPasses = AccCols<Accum>() / kCols;
+  constexpr uint32_t kRegionBytes = kWarpgroupRows * kCols * 2;
+  static_assert(sizeof(smem.stage[0]) == 3 * kRegionBytes, "g, u and h");
   const int wg = thread / 128, wg_thread = thread % 128;
   const uint32_t barrier = 2 + wg;
   const uint32_t g_s = SmemAddr(smem.stage[wg]);
-  const uint32_t u_s = g_s + kWarpgroupRows * kCols * 2;
+  const uint32_t u_s = g_s + kRegionBytes, h_s = u_s + kRegionBytes;
   const int64_t two_n = 2 * int64_t{p.n};
   auto* dgu = static_cast<__nv_bfloat16*>(p.out0);
   auto* h = static_cast<__nv_bfloat16*>(p.out1);
@@ -272,25 +275,21 @@ __device__ __forceinline__ void SwiGLUBwdStaged(const GemmParams& p, const GemmT
       StoreShared32(g_s + a[j], dg_bits[j]);
       StoreShared32(u_s + a[j], du_bits[j]);
     }
+    CUTE_UNROLL
+    for (int j = 0; j < 8; ++j) StoreShared32(h_s + a[j], h_bits[j]);
     NamedBarrierSync(barrier, 128);
-    uint4 out[4];
+    uint4 out[6];  // q = 0, 1: dg; 2, 3: du; 4, 5: h
     CUTE_UNROLL
-    for (int q = 0; q < 4; ++q)
-      out[q] = LoadShared128((q >> 1 ? u_s : g_s) + at(r1 + 32 * (q & 1), cc));
+    for (int q = 0; q < 6; ++q)
+      out[q] = LoadShared128(g_s + (q >> 1) * kRegionBytes + at(r1 + 32 * (q & 1), cc));
     CUTE_UNROLL
-    for (int q = 0; q < 4; ++q) {  // dg | du
+    for (int q = 0; q < 4; ++q) {
       if (row_in[q & 1] && col_in)
         StoreGlobal128(dgu + gu_at[q & 1] + (q >> 1) * p.n + kCols * pass, out[q]);
     }
-    NamedBarrierSync(barrier, 128);
     CUTE_UNROLL
-    for (int j = 0; j < 8; ++j) StoreShared32(g_s + a[j], h_bits[j]);
-    NamedBarrierSync(barrier, 128);
-    CUTE_UNROLL
-    for (int q = 0; q < 2; ++q) out[q] = LoadShared128(g_s + at(r1 + 32 * q, cc));
-    CUTE_UNROLL
-    for (int q = 0; q < 2; ++q) {  // h
-      if (row_in[q] && col_in) StoreGlobal128(h + h_at[q] + kCols * pass, out[q]);
+    for (int q = 0; q < 2; ++q) {
+      if (row_in[q] && col_in) StoreGlobal128(h + h_at[q] + kCols * pass, out[4 + q]);
     }
   }
 }

@@ -56,6 +56,8 @@ struct GemmLayouts {
 constexpr int kWarpgroupRows = GemmConfig::kBlockM / GemmConfig::kConsumerWarpgroups;
 constexpr int kStageCols = 64;
 constexpr int kTmaStoreCols = 32;
+// The SwiGLU backward stages g, u and h, 32 columns each (SwiGLUBwdStaged).
+constexpr int kSwiGLUBwdStageCols = 96;
 
 template <int kStages, int kBlockK, int kStageElems, int kTailElems>
 struct alignas(1024) GemmSmem {
@@ -75,7 +77,9 @@ struct alignas(1024) GemmSmem {
 template <class Kind>
 using GemmSmemOf =
     GemmSmem<Kind::kStages, Kind::kBlockK,
-             kWarpgroupRows * (Kind::kTmaStore ? GemmConfig::kBlockN : kStageCols),
+             kWarpgroupRows * (Kind::kTmaStore ? GemmConfig::kBlockN
+                               : Kind::kEpi == Epilogue::kSwiGLUBwd ? kSwiGLUBwdStageCols
+                                                                    : kStageCols),
              Kind::kTail ? kTailRows * Kind::kBlockK : 8>;
 
 // Where a k-step's stage is and which phase of its barriers comes next. The row-grouped GEMMs
