@@ -179,7 +179,7 @@ __device__ __forceinline__ void StageAndStore(const GemmParams& p, const GemmTil
 }
 
 // The SwiGLU backward (kSwiGLUBwd), 32 of the tile's columns per pass through the warpgroup's
-// staging tile: g and u come in with coalesced 16-byte loads issued a pass ahead, each thread
+// staging tile: g and u come in with coalesced 16-byte loads issued two passes ahead, each thread
 // computes at its accumulator positions from shared memory, and dg | du, then h, leave with
 // coalesced 16-byte stores.
 //
@@ -229,8 +229,10 @@ __device__ __forceinline__ void SwiGLUBwdStaged(const GemmParams& p, const GemmT
                   : make_uint4(0, 0, 0, 0);
     }
   };
-  uint4 in[4];
-  load(0, in);
+  // g and u two passes ahead: in[pass % 2] holds pass `pass`'s.
+  uint4 in[2][4];
+  load(0, in[0]);
+  if (kPasses > 1) load(1, in[1]);
   const int r0 = AccRow(wg_thread), c0 = AccCol(wg_thread);
   // Shared-memory accesses are volatile asm, kept in program order: each step below issues all
   // of its loads before it uses any, so that their latencies overlap.
@@ -245,8 +247,8 @@ __device__ __forceinline__ void SwiGLUBwdStaged(const GemmParams& p, const GemmT
     NamedBarrierSync(barrier, 128);  // the warpgroup's copies out of the last pass are done
     CUTE_UNROLL
     for (int q = 0; q < 4; ++q)
-      StoreShared128((q >> 1 ? u_s : g_s) + at(r1 + 32 * (q & 1), cc), in[q]);
-    if (pass + 1 < kPasses) load(pass + 1, in);  // in flight during this pass
+      StoreShared128((q >> 1 ? u_s : g_s) + at(r1 + 32 * (q & 1), cc), in[pass % 2][q]);
+    if (pass + 2 < kPasses) load(pass + 2, in[pass % 2]);  // in flight for two passes
     NamedBarrierSync(barrier, 128);
     uint32_t a[8], gv[8], uv[8];  // this thread's values v, v + 1 of the pass, j = 0..7
     CUTE_UNROLL
