@@ -179,13 +179,22 @@ __device__ __forceinline__ void StageAndStore(const GemmParams& p, const GemmTil
 }
 
 // The SwiGLU backward (kSwiGLUBwd), 32 of the tile's columns per pass through the warpgroup's
-// staging tile: g and u come in with coalesced 16-byte loads issued two passes ahead, each thread
-// computes at its accumulator positions from shared memory, and dg | du, then h, leave with
-// coalesced 16-byte stores.
+// staging tile, whose three regions hold g, u and h: g and u come in with coalesced 16-byte
+// loads issued two passes ahead; each thread computes at its accumulator positions from shared
+// memory, writes dg and du over the g and u it read and h beside them; then all three leave with
+// coalesced 16-byte stores. Shared-memory accesses are volatile asm, kept in program order: each
+// step issues all of its loads before it uses any, so that their latencies overlap.
 //
 // NOTES: done from registers, with 4-byte loads and stores at the accumulator positions, this
 // epilogue took twice the mainloop's time on qwen3_30b (ncu: 28% SM throughput, 70% of the
-// samples outside the mainloop, waiting on gu).
+// samples outside the mainloop, waiting on gu). Staged, but value by value (load g and u,
+// compute, store dg and du, each value's loads behind the stores of the one before), with h
+// staged after dg | du had left (five barriers a pass) and g, u one pass ahead, it still took a
+// third of the launch: qwen3_30b 0.92 ms, 0.59 without it (a diagnostic build); ncu put 36% of
+// the launch's stall samples in it, half of them short-scoreboard and fixed-latency waits on
+// those chains. As now, the launch took (H200, 2026-12-01, two rounds, same bits): qwen3_30b
+// 0.940 / 0.955 -> 0.886 / 0.883 ms, gptoss_120b 1.343 / 1.339 -> 1.253 / 1.243, dsv3 2.457 /
+// 2.478 -> 2.374 / 2.387, mixtral 3.475 / 3.495 -> 3.308 / 3.360.
 template <class Smem, class Accum>
 __device__ __forceinline__ void SwiGLUBwdStaged(const GemmParams& p, const GemmTile& tile,
                                                 Smem& smem, int thread, WarpgroupPart part,
@@ -234,13 +243,6 @@ __device__ __forceinline__ void SwiGLUBwdStaged(const GemmParams& p, const GemmT
   load(0, in[0]);
   if (kPasses > 1) load(1, in[1]);
   const int r0 = AccRow(wg_thread), c0 = AccCol(wg_thread);
-  // Shared-memory accesses are volatile asm, kept in program order: each step below issues all
-  // of its loads before it uses any, so that their latencies overlap.
-  //
-  // NOTES: written value by value (load g and u, compute, store dg and du), each value waited
-  // for its loads behind the stores of the value before, and the epilogue took a third of the
-  // launch (qwen3_30b: 0.92 ms, 0.59 without it; ncu: short-scoreboard and fixed-latency
-  // waits on these chains were a third of its stall samples).
   CUTE_UNROLL
   for (int pass = 0; pass < kPasses; ++pass) {
     const bool col_in = col0 + kCols * pass < p.n;

@@ -52,11 +52,11 @@ struct GemmLayouts {
 
 // Epilogue staging, per consumer warpgroup: one (64, 64) bf16 tile, written and copied out once
 // per 64 output columns, small so that four pipeline stages fit beside it; or (kTmaStore) its
-// whole 64 x 256 slab of the output tile as eight (32 columns, 64 rows) TMA boxes.
+// whole 64 x 256 slab of the output tile as eight (32 columns, 64 rows) TMA boxes; or
+// (kSwiGLUBwd) (64, 96): g, u and h of 32 columns.
 constexpr int kWarpgroupRows = GemmConfig::kBlockM / GemmConfig::kConsumerWarpgroups;
 constexpr int kStageCols = 64;
 constexpr int kTmaStoreCols = 32;
-// The SwiGLU backward stages g, u and h, 32 columns each (SwiGLUBwdStaged).
 constexpr int kSwiGLUBwdStageCols = 96;
 
 template <int kStages, int kBlockK, int kStageElems, int kTailElems>
