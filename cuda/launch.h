@@ -13,6 +13,8 @@ namespace mok::cuda {
 struct MoeFwdArgs {
   int64_t T, H, I, E, k, Is, R;
   int block_m;            // 64 or 128: each expert's routed rows start at a multiple of it
+  int64_t ranks;          // expert parallelism: about T k / ranks of the routes are this GPU's
+                          // (ExpectedRoutedRows); the launch choices expect that many
   const void* x;          // (T, H) bf16
   const int32_t* experts; // (T, k) local ids; outside [0, E): no contribution
   const float* weights;   // (T, k)
@@ -42,6 +44,7 @@ struct MoeFwdArgs {
 struct MoeBwdArgs {
   int64_t T, H, I, E, k, Is, R;
   int block_m;            // the forward's
+  int64_t ranks;          // as in MoeFwdArgs
   const void* dy;         // (T, H) bf16, or f32 when dy_f32 (then Is must be 0)
   bool dy_f32;
   const void* x;          // the forward's inputs, as in MoeFwdArgs

@@ -57,7 +57,7 @@ ffi::Error CheckBuffer(const char* target, const char* name, ffi::AnyBuffer b,
 }
 
 ffi::ErrorOr<MoeDims> CheckInputs(const char* target, const MoeInputs& in, int64_t block_m,
-                                  bool recompute) {
+                                  bool recompute, int64_t ranks) {
   auto x = in.x.dimensions(), experts = in.experts.dimensions(), wg = in.w_gate.dimensions(),
        wsg = in.ws_gate.dimensions();
   auto dtype = in.x.element_type();
@@ -76,7 +76,8 @@ ffi::ErrorOr<MoeDims> CheckInputs(const char* target, const MoeInputs& in, int64
                 Describe(in.ws_gate.element_type(), wsg));
   if (block_m < 1 || block_m > 256 || (block_m & (block_m - 1)))
     return fail("block_m must be a power of two in [1, 256], got " + std::to_string(block_m));
-  MoeDims d{x[0], x[1], wg[2], wg[0], experts[1], wsg[1], 0, block_m, recompute};
+  if (ranks < 1) return fail("ranks must be at least 1, got " + std::to_string(ranks));
+  MoeDims d{x[0], x[1], wg[2], wg[0], experts[1], wsg[1], 0, block_m, recompute, ranks};
   d.R = RoutedRows(d.T * d.k, d.E, block_m);
   const ffi::DataType s32 = ffi::DataType::S32, f32 = ffi::DataType::F32;
   for (auto err : {CheckBuffer(target, "experts", in.experts, s32, {d.T, d.k}),

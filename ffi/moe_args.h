@@ -15,10 +15,13 @@ namespace ffi = xla::ffi;
 
 // Sizes of one call. R = routed rows (mok_jax.ops.routed_rows). recompute (Config.recompute):
 // the forward keeps (and writes) no gu and gu_shared; the backward recomputes them into its
-// own scratch.
+// own scratch. ranks: the expert-parallel ranks among which the tokens' routes are spread (1:
+// none), about T k / ranks of them to this call's experts; a hint for the CUDA launch choices,
+// which leave the results as they are.
 struct MoeDims {
   int64_t T, H, I, E, k, Is, R, block_m;
   bool recompute;
+  int64_t ranks;
 };
 
 // The forward's inputs, in target argument order.
@@ -85,7 +88,7 @@ int64_t RoutedRows(int64_t routes, int64_t experts, int64_t block_m);
 
 // Checks the inputs and returns the sizes of the call.
 ffi::ErrorOr<MoeDims> CheckInputs(const char* target, const MoeInputs& in, int64_t block_m,
-                                  bool recompute);
+                                  bool recompute, int64_t ranks);
 // gu and gu_shared have the rows that d.recompute implies (zero with recompute).
 ffi::Error CheckFwdResults(const MoeDims& d, ffi::DataType dtype, const MoeFwdResults& out);
 // dy is (T, H) of x's dtype or f32; the residuals are as CheckFwdResults wants them.
@@ -125,7 +128,8 @@ auto BindMoeFwd(Binding binding) {
       .template Ret<ffi::AnyBuffer>()            // scratch y_shared (T or 0, H)
       .template Ret<ffi::AnyBuffer>()            // scratch layout s32
       .template Attr<int64_t>("block_m")
-      .template Attr<bool>("recompute");
+      .template Attr<bool>("recompute")
+      .template Attr<int64_t>("ranks");
 }
 
 // The argument list of mok_moe_bwd, shared like BindMoeFwd.
@@ -167,7 +171,8 @@ auto BindMoeBwd(Binding binding) {
       .template Ret<ffi::AnyBuffer>()            // scratch gu_shared (T, 2Is); (0, 2Is) without
       .template Ret<ffi::AnyBuffer>()            // scratch queue s32 (TileQueueInts(T, k, E))
       .template Attr<int64_t>("block_m")
-      .template Attr<bool>("recompute");
+      .template Attr<bool>("recompute")
+      .template Attr<int64_t>("ranks");
 }
 
 // What the CUDA kernels add to the contract: bf16 and block_m = 64 or 128. `target` names the call.

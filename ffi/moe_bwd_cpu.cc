@@ -223,14 +223,15 @@ ffi::Error MoeBwd(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer experts,
                   ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> h_shared,
                   ffi::Result<ffi::AnyBuffer> dx_shared, ffi::Result<ffi::AnyBuffer> gu_scratch,
                   ffi::Result<ffi::AnyBuffer> gu_shared_scratch,
-                  ffi::Result<ffi::AnyBuffer> queue, int64_t block_m, bool recompute) {
+                  ffi::Result<ffi::AnyBuffer> queue, int64_t block_m, bool recompute,
+                  int64_t ranks) {
   MoeInputs in{x, experts, weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down};
   MoeResiduals res{pos, offsets, rows, gu, y_routed, gu_shared};
   MoeBwdResults out{*dx,       *dweights,  *dw_gate, *dw_up, *dw_down,   *dws_gate,
                     *dws_up,   *dws_down,  *dy_routed, *dgu, *dx_routed, *dgu_shared,
                     *xs,       *h,         *h_shared,  *dx_shared,
                     *gu_scratch, *gu_shared_scratch, *queue};
-  auto dims = CheckInputs("mok_moe_bwd", in, block_m, recompute);
+  auto dims = CheckInputs("mok_moe_bwd", in, block_m, recompute, ranks);
   if (dims.has_error()) return dims.error();
   auto dtype = x.element_type();
   if (auto err = CheckBwdArgs(*dims, dtype, dy, res, out); err.failure()) return err;

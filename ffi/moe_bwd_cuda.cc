@@ -27,21 +27,22 @@ ffi::Error MoeBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
                       ffi::Result<ffi::AnyBuffer> dx_shared,
                       ffi::Result<ffi::AnyBuffer> gu_scratch,
                       ffi::Result<ffi::AnyBuffer> gu_shared_scratch,
-                      ffi::Result<ffi::AnyBuffer> queue, int64_t block_m, bool recompute) {
+                      ffi::Result<ffi::AnyBuffer> queue, int64_t block_m, bool recompute,
+                      int64_t ranks) {
   MoeInputs in{x, experts, weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down};
   MoeResiduals res{pos, offsets, rows, gu, y_routed, gu_shared};
   MoeBwdResults out{*dx,     *dweights, *dw_gate,   *dw_up, *dw_down,   *dws_gate,
                     *dws_up, *dws_down, *dy_routed, *dgu,   *dx_routed, *dgu_shared,
                     *xs,     *h,        *h_shared,  *dx_shared,
                     *gu_scratch, *gu_shared_scratch, *queue};
-  auto dims = CheckInputs("mok_moe_bwd", in, block_m, recompute);
+  auto dims = CheckInputs("mok_moe_bwd", in, block_m, recompute, ranks);
   if (dims.has_error()) return dims.error();
   const MoeDims& d = *dims;
   if (auto err = CheckCudaKernelArgs("mok_moe_bwd", x, block_m); err.failure()) return err;
   if (auto err = CheckBwdArgs(d, ffi::DataType::BF16, dy, res, out); err.failure()) return err;
   cuda::MoeBwdArgs a{};
   a.T = d.T, a.H = d.H, a.I = d.I, a.E = d.E, a.k = d.k, a.Is = d.Is, a.R = d.R;
-  a.block_m = static_cast<int>(d.block_m);
+  a.block_m = static_cast<int>(d.block_m), a.ranks = d.ranks;
   a.dy = dy.untyped_data(), a.dy_f32 = dy.element_type() == ffi::DataType::F32;
   a.x = x.untyped_data(), a.weights = weights.reinterpret_data<float>();
   a.w_gate = w_gate.untyped_data(), a.w_up = w_up.untyped_data();

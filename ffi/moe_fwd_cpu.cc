@@ -124,11 +124,11 @@ ffi::Error MoeFwd(ffi::AnyBuffer x, ffi::AnyBuffer experts, ffi::AnyBuffer weigh
                   ffi::Result<ffi::AnyBuffer> gu_shared, ffi::Result<ffi::AnyBuffer> xs,
                   ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> h_shared,
                   ffi::Result<ffi::AnyBuffer> y_shared, ffi::Result<ffi::AnyBuffer> layout,
-                  int64_t block_m, bool recompute) {
+                  int64_t block_m, bool recompute, int64_t ranks) {
   MoeInputs in{x, experts, weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down};
   MoeFwdResults out{*y,  {*pos, *offsets, *rows, *gu, *y_routed, *gu_shared},
                     *xs, *h, *h_shared, *y_shared, *layout};
-  auto dims = CheckInputs("mok_moe_fwd", in, block_m, recompute);
+  auto dims = CheckInputs("mok_moe_fwd", in, block_m, recompute, ranks);
   if (dims.has_error()) return dims.error();
   auto dtype = x.element_type();
   if (auto err = CheckFwdResults(*dims, dtype, out); err.failure()) return err;

@@ -19,18 +19,19 @@ ffi::Error MoeFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer expe
                       ffi::Result<ffi::AnyBuffer> y_routed, ffi::Result<ffi::AnyBuffer> gu_shared,
                       ffi::Result<ffi::AnyBuffer> xs, ffi::Result<ffi::AnyBuffer> h,
                       ffi::Result<ffi::AnyBuffer> h_shared, ffi::Result<ffi::AnyBuffer> y_shared,
-                      ffi::Result<ffi::AnyBuffer> layout, int64_t block_m, bool recompute) {
+                      ffi::Result<ffi::AnyBuffer> layout, int64_t block_m, bool recompute,
+                      int64_t ranks) {
   MoeInputs in{x, experts, weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down};
   MoeFwdResults out{*y,  {*pos, *offsets, *rows, *gu, *y_routed, *gu_shared},
                     *xs, *h, *h_shared, *y_shared, *layout};
-  auto dims = CheckInputs("mok_moe_fwd", in, block_m, recompute);
+  auto dims = CheckInputs("mok_moe_fwd", in, block_m, recompute, ranks);
   if (dims.has_error()) return dims.error();
   const MoeDims& d = *dims;
   if (auto err = CheckCudaKernelArgs("mok_moe_fwd", x, block_m); err.failure()) return err;
   if (auto err = CheckFwdResults(d, ffi::DataType::BF16, out); err.failure()) return err;
   cuda::MoeFwdArgs a{};
   a.T = d.T, a.H = d.H, a.I = d.I, a.E = d.E, a.k = d.k, a.Is = d.Is, a.R = d.R;
-  a.block_m = static_cast<int>(d.block_m);
+  a.block_m = static_cast<int>(d.block_m), a.ranks = d.ranks;
   a.x = x.untyped_data();
   a.experts = experts.reinterpret_data<int32_t>();
   a.weights = weights.reinterpret_data<float>();

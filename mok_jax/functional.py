@@ -126,7 +126,7 @@ def moe(x, experts, weights, w_gate, w_up, w_down, *, shared=None, axis_name=Non
   if dims.k > E:
     raise ValueError(f"moe: top_k = experts.shape[1] = {dims.k} exceeds the number of experts "
                      f"E = {E} ({n_ranks} rank(s) x {dims.E} local)")
-  impl = _local_impl(backend, x.dtype, dims, config)
+  impl = _local_impl(backend, x.dtype, dims, config, int(n_ranks))
   weights = weights.astype(jnp.float32)
   if axis_name is None:
     return impl(x, _local_ids(experts, 0, dims.E), weights, w_gate, w_up, w_down, shared,
@@ -175,8 +175,9 @@ def _local_ids(experts, first, n_local):
   return jnp.where(mine, local, -1).astype(jnp.int32)
 
 
-def _local_impl(backend, dtype, dims, config):
-  """The single-rank implementation for `backend`: reference.moe_local or the FFI targets."""
+def _local_impl(backend, dtype, dims, config, ranks):
+  """The single-rank implementation for `backend`: reference.moe_local or the FFI targets (told
+  the expert-parallel `ranks`, a hint for the CUDA kernel's launch choices)."""
   if backend not in BACKENDS:
     raise ValueError(f"moe: backend must be one of {BACKENDS}, got {backend!r}")
   if backend == "xla":
@@ -184,7 +185,8 @@ def _local_impl(backend, dtype, dims, config):
   platform = jax.default_backend()
   cuda_problem = ops.cuda_unsupported_reason(platform, dtype, dims, config)
   if backend == "auto":
-    return reference.moe_local if cuda_problem else functools.partial(_moe_ffi, config=config)
+    return (reference.moe_local if cuda_problem
+            else functools.partial(_moe_ffi, config=config, ranks=ranks))
   if backend == "cuda" and cuda_problem:
     raise ValueError(f"moe: backend='cuda' cannot run: {cuda_problem}")
   if backend == "ffi":
@@ -192,16 +194,16 @@ def _local_impl(backend, dtype, dims, config):
       ops.check_ffi_dtype(dtype)
     elif cuda_problem:
       raise ValueError(f"moe: backend='ffi' on platform {platform!r} cannot run: {cuda_problem}")
-  return functools.partial(_moe_ffi, config=config)
+  return functools.partial(_moe_ffi, config=config, ranks=ranks)
 
 
-def _moe_ffi(x, experts, weights, w_gate, w_up, w_down, shared, *, out_dtype, config):
+def _moe_ffi(x, experts, weights, w_gate, w_up, w_down, shared, *, out_dtype, config, ranks):
   # Under shard_map (check_vma=True) a custom call needs operands that vary over the same mesh
   # axes. Casting them here, outside the custom VJP, lets JAX transpose the cast: the gradient
   # of an operand that is the same on every rank (a replicated weight) is summed over ranks.
   args = (x, experts, weights, w_gate, w_up, w_down, shared)
   axes = frozenset().union(*map(_varying_axes, jax.tree.leaves(args)))
-  return _moe_ffi_vjp(jnp.dtype(out_dtype), config, *_vary(args, axes))
+  return _moe_ffi_vjp(jnp.dtype(out_dtype), config, ranks, *_vary(args, axes))
 
 
 def _varying_axes(a) -> frozenset:
@@ -229,27 +231,28 @@ def _vary(tree, axes):
   return jax.tree.map(cast, tree)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _moe_ffi_vjp(out_dtype, config, x, experts, weights, w_gate, w_up, w_down, shared):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _moe_ffi_vjp(out_dtype, config, ranks, x, experts, weights, w_gate, w_up, w_down, shared):
   # The primal, run when nothing is differentiated (inference): no backward will read the
   # residuals, so the forward runs in recompute mode whatever config.recompute says, keeping no
   # gu and writing none. y has the same bits in both modes (h comes from the f32 accumulators,
   # not from the rounded gu).
-  y, _ = _moe_ffi_call(out_dtype, config.block_m, True, x, experts, weights, w_gate, w_up,
-                       w_down, shared)
+  y, _ = _moe_ffi_call(out_dtype, config.block_m, True, ranks, x, experts, weights, w_gate,
+                       w_up, w_down, shared)
   return y
 
 
-def _moe_ffi_call(out_dtype, block_m, recompute, x, experts, weights, w_gate, w_up, w_down,
-                  shared):
+def _moe_ffi_call(out_dtype, block_m, recompute, ranks, x, experts, weights, w_gate, w_up,
+                  w_down, shared):
   y, residuals = ops.moe_fwd(x, experts, weights, w_gate, w_up, w_down, shared,
-                             out_dtype=out_dtype, block_m=block_m, recompute=recompute)
+                             out_dtype=out_dtype, block_m=block_m, recompute=recompute,
+                             ranks=ranks)
   return _vary((y, residuals), _varying_axes(x))
 
 
-def _moe_ffi_fwd(out_dtype, config, x, experts, weights, w_gate, w_up, w_down, shared):
-  y, residuals = _moe_ffi_call(out_dtype, config.block_m, config.recompute, x, experts, weights,
-                               w_gate, w_up, w_down, shared)
+def _moe_ffi_fwd(out_dtype, config, ranks, x, experts, weights, w_gate, w_up, w_down, shared):
+  y, residuals = _moe_ffi_call(out_dtype, config.block_m, config.recompute, ranks, x, experts,
+                               weights, w_gate, w_up, w_down, shared)
   # Empty residuals (gu_shared without a shared expert, gu with recompute) are not saved:
   # moe_bwd makes them. Saved, inside shard_map they become inputs of the backward's manual
   # computation that XLA folds to constants, and removing the unused inputs then crashed
@@ -258,11 +261,11 @@ def _moe_ffi_fwd(out_dtype, config, x, experts, weights, w_gate, w_up, w_down, s
   return y, (x, experts, weights, w_gate, w_up, w_down, shared, residuals)
 
 
-def _moe_ffi_bwd(out_dtype, config, saved, dy):
+def _moe_ffi_bwd(out_dtype, config, ranks, saved, dy):
   del out_dtype
   x, experts, weights, w_gate, w_up, w_down, shared, residuals = saved
   grads = ops.moe_bwd(dy, x, experts, weights, w_gate, w_up, w_down, shared, residuals,
-                      block_m=config.block_m, recompute=config.recompute)
+                      block_m=config.block_m, recompute=config.recompute, ranks=ranks)
   grads = _vary(grads, _varying_axes(x))
   return (grads.x, None, grads.weights, grads.w_gate, grads.w_up, grads.w_down, grads.shared)
 

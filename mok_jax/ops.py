@@ -269,7 +269,7 @@ def footprint(dims: MoeDims, dtype, block_m=Config.block_m, recompute=False) -> 
 
 
 def moe_fwd(x, experts, weights, w_gate, w_up, w_down, shared=None, *, out_dtype, block_m,
-            recompute=False):
+            recompute=False, ranks=1):
   """Target mok_moe_fwd.
 
   Inputs:
@@ -279,6 +279,9 @@ def moe_fwd(x, experts, weights, w_gate, w_up, w_down, shared=None, *, out_dtype
   Outputs:
     y (T, H) out_dtype (x's dtype, or f32 for a partial sum), and `Residuals` (gu and
     gu_shared with zero rows when recompute).
+  ranks: under expert parallelism, the ranks over which the routes of these tokens are spread
+    (about T k / ranks of them to these experts): a hint for the CUDA kernel's launch choices,
+    which leave every result as it is.
   """
   dims = _check_ffi_inputs(x, experts, weights, w_gate, w_up, w_down, shared)
   out_dtype = jnp.dtype(out_dtype)
@@ -288,12 +291,19 @@ def moe_fwd(x, experts, weights, w_gate, w_up, w_down, shared=None, *, out_dtype
   call = jax.ffi.ffi_call("mok_moe_fwd", results, vmap_method="sequential")
   y, *residuals = call(x, experts, weights, w_gate, w_up, w_down,
                        *_shared_or_empty(shared, dims.H, x.dtype), block_m=np.int64(block_m),
-                       recompute=bool(recompute))
+                       recompute=bool(recompute), ranks=_ranks(ranks))
   return y, Residuals(*residuals[:len(Residuals._fields)])
 
 
+def _ranks(ranks) -> np.int64:
+  """The `ranks` attribute of the targets, checked: an integer of at least 1."""
+  if isinstance(ranks, bool) or not isinstance(ranks, (int, np.integer)) or ranks < 1:
+    raise ValueError(f"moe_fwd/moe_bwd: ranks must be an integer of at least 1, got {ranks!r}")
+  return np.int64(ranks)
+
+
 def moe_bwd(dy, x, experts, weights, w_gate, w_up, w_down, shared, residuals: Residuals, *,
-            block_m, recompute=False) -> Grads:
+            block_m, recompute=False, ranks=1) -> Grads:
   """Target mok_moe_bwd.
 
   Inputs:
@@ -302,6 +312,7 @@ def moe_bwd(dy, x, experts, weights, w_gate, w_up, w_down, shared, residuals: Re
   Outputs:
     `Grads`: x (T, H), weights (T, k) f32, w_gate, w_up (E, H, I), w_down (E, I, H) and the
     shared weights' gradients (None without a shared expert), all but weights in x's dtype.
+  ranks: as for moe_fwd.
   """
   dims = _check_ffi_inputs(x, experts, weights, w_gate, w_up, w_down, shared)
   T, H = dims.T, dims.H
@@ -323,5 +334,6 @@ def moe_bwd(dy, x, experts, weights, w_gate, w_up, w_down, shared, residuals: Re
   call = jax.ffi.ffi_call("mok_moe_bwd", results, vmap_method="sequential")
   dx, dweights, dw_gate, dw_up, dw_down, *dshared = call(
       dy, x, experts, weights, w_gate, w_up, w_down, *_shared_or_empty(shared, H, x.dtype),
-      *residuals, block_m=np.int64(block_m), recompute=bool(recompute))[:8]
+      *residuals, block_m=np.int64(block_m), recompute=bool(recompute),
+      ranks=_ranks(ranks))[:8]
   return Grads(dx, dweights, dw_gate, dw_up, dw_down, None if shared is None else tuple(dshared))

@@ -109,3 +109,26 @@ def test_backward_shard_map_gets_no_empty_residual(Is, recompute):
   assert len(avals) > 12  # the forward's and the backward's shard_map
   empty = [a.str_short() for a in avals if 0 in a.shape]
   assert not empty, empty
+
+
+def ffi_calls(jaxpr):
+  """The ffi_call equations of a closed jaxpr, those of its sub-jaxprs (shard_map, custom VJP,
+  jit) included."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "ffi_call":
+      found.append(eqn)
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      found.extend(ffi_calls(sub))
+  return found
+
+
+@pytest.mark.parametrize("ep", [1, 4])
+def test_ep_tells_the_targets_its_ranks(ep):
+  """Under shard_map each rank's forward and backward call gets `ranks` = the EP size: the
+  CUDA kernel's launch choices then expect a rank's share of the routes, not all of them."""
+  case = ep_case(None)
+  f = sharded_grad_fn(case, "ffi", mesh_of(ep), P("ep"), P("ep"), "ep")
+  calls = ffi_calls(jax.make_jaxpr(f)(*case.params()).jaxpr)
+  assert sorted(e.params["target_name"] for e in calls) == ["mok_moe_bwd", "mok_moe_fwd"]
+  assert all(int(dict(e.params["attributes"])["ranks"]) == ep for e in calls)

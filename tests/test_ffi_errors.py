@@ -59,13 +59,13 @@ def fwd_signature():
 FWD_RESULT_NAMES = ("y", "pos", "offsets", "rows", "gu", "y_routed", "gu_shared")
 
 
-def call_fwd(operands, results=None, block_m=BLOCK_M, recompute=False):
+def call_fwd(operands, results=None, block_m=BLOCK_M, recompute=False, ranks=1):
   """mok_moe_fwd through jax.ffi.ffi_call, with `results` replacing the named results."""
   named, scratch = fwd_signature()
   named.update(results or {})
   call = jax.ffi.ffi_call("mok_moe_fwd", (*named.values(), *scratch))
-  out = jax.jit(lambda *a: call(*a, block_m=np.int64(block_m), recompute=recompute))(
-      *operands.values())
+  out = jax.jit(lambda *a: call(*a, block_m=np.int64(block_m), recompute=recompute,
+                                ranks=np.int64(ranks)))(*operands.values())
   return jax.block_until_ready(out)
 
 
@@ -74,6 +74,16 @@ def test_direct_ffi_call_baseline():
   case = small_case()
   y, *_ = call_fwd(fwd_operands(case))
   assert_close(y, oracle.moe(*case.args(), case.shared), F32_RTOL, "y")
+
+
+def test_direct_ranks_hint():
+  """`ranks` is a hint for the launch choices: any count gives the same bits; none below 1."""
+  case = small_case()
+  y1, *_ = call_fwd(fwd_operands(case))
+  y8, *_ = call_fwd(fwd_operands(case), ranks=8)
+  np.testing.assert_array_equal(np.asarray(y1), np.asarray(y8))
+  with pytest.raises(jax.errors.JaxRuntimeError, match=r"mok_moe_fwd: ranks must be at least 1"):
+    call_fwd(fwd_operands(case), ranks=0)
 
 
 def zeros(shape, dtype=f32):
@@ -138,7 +148,8 @@ def test_bad_direct_fwd_scratch():
                             (*named.values(), *scratch[:i], wrong, *scratch[i + 1:]))
     with pytest.raises(jax.errors.JaxRuntimeError, match=r"mok_moe_fwd: \w+ must be"):
       jax.block_until_ready(jax.jit(lambda *a: call(*a, block_m=np.int64(BLOCK_M),
-                                                    recompute=False))(*fwd_operands().values()))
+                                                    recompute=False, ranks=np.int64(1)))(
+          *fwd_operands().values()))
 
 
 def test_direct_fwd_call_of_the_other_mode():
@@ -232,10 +243,11 @@ def test_bad_direct_bwd_call():
   target, results, _ = ffi_signature(bwd_, *operands)
   assert target == "mok_moe_bwd"
 
-  def call(operands, results, block_m=BLOCK_M, recompute=False):
+  def call(operands, results, block_m=BLOCK_M, recompute=False, ranks=1):
     f = jax.ffi.ffi_call("mok_moe_bwd", results)
     return jax.block_until_ready(
-        jax.jit(lambda *a: f(*a, block_m=np.int64(block_m), recompute=recompute))(*operands))
+        jax.jit(lambda *a: f(*a, block_m=np.int64(block_m), recompute=recompute,
+                             ranks=np.int64(ranks)))(*operands))
 
   grads = call(operands, results)  # the baseline is valid
   want = oracle.moe_grads(case.dy, *case.args(), case.shared)
@@ -254,6 +266,8 @@ def test_bad_direct_bwd_call():
   # Residuals of another block_m: their row count does not match.
   with pytest.raises(jax.errors.JaxRuntimeError, match=r"mok_moe_bwd: rows must be s32"):
     call(operands, results, block_m=8)
+  with pytest.raises(jax.errors.JaxRuntimeError, match=r"mok_moe_bwd: ranks must be at least 1"):
+    call(operands, results, ranks=0)
   # Residuals of a forward that saved gu, for a backward told to recompute it.
   with pytest.raises(jax.errors.JaxRuntimeError,
                      match=rf"mok_moe_bwd: gu must be f32\[0, 12\], got f32\[{R}, 12\] "

@@ -16,7 +16,7 @@ const char* LaunchExpertMlps(const ExpertMlp* mlps, int count, bool gate_up, boo
     const ExpertMlp& m = mlps[j];
     GemmParams& up = c.gemm[j];  // slots 0, 1: gate|up
     if (gate_up) {
-      up = RowGroups(m.offsets, m.block_m, m.groups, m.m);
+      up = RowGroups(m.offsets, m.block_m, m.groups, m.m, m.m_expected);
       up.row_tokens = m.rows;
       up.n = static_cast<int>(m.I), up.k = static_cast<int>(m.H), up.k_split = up.k;
       up.n_split = up.n, up.out0 = m.gu, up.out1 = m.h;
@@ -28,7 +28,7 @@ const char* LaunchExpertMlps(const ExpertMlp* mlps, int count, bool gate_up, boo
     }
     if (down) {
       GemmParams& p = c.gemm[2 + j];  // slots 2, 3: down
-      p = RowGroups(m.offsets, m.block_m, m.groups, m.m);
+      p = RowGroups(m.offsets, m.block_m, m.groups, m.m, m.m_expected);
       p.row_tokens = m.rows;
       p.n = static_cast<int>(m.H), p.k = static_cast<int>(m.I), p.k_split = p.k;
       p.n_split = p.n, p.out0 = m.y, p.out1 = m.y;

@@ -23,6 +23,7 @@ struct ExpertMlp {
   int64_t m, H, I;
   void *gu, *h, *y;
   int ready_base;  // where this MLP's per-row-tile counts start after the queue header
+  int64_t m_expected;  // the rows the launch choices expect used (GemmParams::m_expected)
 };
 
 // The MLPs (at most two: the routed experts, the shared expert, which has no offsets) in one

@@ -157,6 +157,8 @@ struct GemmParams {
   int groups;
   int64_t m_total;          // kRowsByGroup: rows of A and the outputs; kGroupedK: rows (K)
                             // of the single group when offsets is null
+  int64_t m_expected;       // host: the rows that the launch choices expect the groups to
+                            // hold, at most m_total (ExpectedRoutedRows)
   int m;                    // kGroupedK: the M extent of each group's output
   int n;                    // output columns (kSwiGLU / kSwiGLUBwd: columns of h)
   int k;                    // kRowsByGroup: the reduction

@@ -60,7 +60,7 @@ inline int RasterRows() {
 constexpr int64_t kClusterRows = 512;
 
 inline bool FewRowsPerGroup(const GemmParams& p) {
-  return p.m_total <= kClusterRows * p.groups;
+  return p.m_expected <= kClusterRows * p.groups;
 }
 
 // The most row tiles of a group that take kTailRows of its tail each (TailCount). Groups with
@@ -82,7 +82,8 @@ inline int MaxTails(const GemmParams& p) {
 }
 
 // The tiles a CTA takes at once from the weight gradients' queue (ChainParams::run_tiles):
-// runs of kRunTiles where experts average at most kRunRoutes routes, so that most of their
+// runs of kRunTiles where experts average at most kRunRoutes routes (`routes`: those expected on
+// this GPU, ExpectedRoutedRows), so that most of their
 // reductions fit in the stages (6 x 32 rows) and a run's tiles, which share a column tile of
 // one expert (a band of the tile order, RasterRows), load B's k-tiles once; else tiles one at a
 // time. MOK_WGRAD_RUN overrides (a diagnostic; 1 = tiles).
@@ -104,10 +105,13 @@ inline int WeightGradRunTiles(int64_t routes, int64_t experts) {
   return routes <= kRunRoutes * experts ? kRunTiles : 1;
 }
 
-// The fields that place a GEMM's rows: the groups of `offsets` (null: one group of m rows).
-inline GemmParams RowGroups(const int32_t* offsets, int block_m, int groups, int64_t m) {
+// The fields that place a GEMM's rows: the groups of `offsets` (null: one group of m rows), of
+// which the launch choices expect m_expected <= m to be used.
+inline GemmParams RowGroups(const int32_t* offsets, int block_m, int groups, int64_t m,
+                            int64_t m_expected) {
   GemmParams p{};
   p.offsets = offsets, p.block_m = block_m, p.groups = groups, p.m_total = m;
+  p.m_expected = m_expected;
   return p;
 }
 

@@ -35,6 +35,7 @@ struct MlpGrads {
   int block_m;
   int groups;
   int64_t m, H, I;
+  int64_t m_expected;  // the rows the launch choices expect used (GemmParams::m_expected)
   void *dgu, *h;      // scratch
   float* dx_rows;     // (m, H)
   void *dw_gate, *dw_up, *dw_down;
@@ -52,7 +53,7 @@ const char* DataGradChains(const MlpGrads* mlps, int count, ChainParams* down_ch
     const int H = static_cast<int>(g.H), I = static_cast<int>(g.I);
     // dh = dy_r @ w_down^T; B(n, k) = w_down[group * I + n, k].
     GemmParams& down = down_chain->gemm[j];
-    down = sm90::RowGroups(g.offsets, g.block_m, g.groups, g.m);
+    down = sm90::RowGroups(g.offsets, g.block_m, g.groups, g.m, g.m_expected);
     down.n = I, down.k = H, down.k_split = H, down.n_split = I;
     down.aux = static_cast<const __nv_bfloat16*>(g.gu), down.out0 = g.dgu, down.out1 = g.h;
     if (auto err = sm90::PrepareGemm<sm90::BwdDown>(down, {g.dy_r, H, g.m},
@@ -61,7 +62,7 @@ const char* DataGradChains(const MlpGrads* mlps, int count, ChainParams* down_ch
     // dx_r = [dg | du] @ [w_gate | w_up]^T; B(n, k) = w_gate[group * H + n, k] (k < I), then
     // w_up.
     GemmParams& up = dx_chain->gemm[j];
-    up = sm90::RowGroups(g.offsets, g.block_m, g.groups, g.m);
+    up = sm90::RowGroups(g.offsets, g.block_m, g.groups, g.m, g.m_expected);
     up.n = H, up.k = 2 * I, up.k_split = I, up.n_split = H, up.out0 = g.dx_rows;
     up.row_tokens = g.row_tokens;  // tails (kTail)
     if (auto err = sm90::PrepareGemm<sm90::BwdGateUp>(up, {g.dgu, 2 * g.I, g.m},
@@ -87,14 +88,14 @@ const char* WeightGradChain(const MlpGrads* mlps, int count, ChainParams* chain)
     const MlpGrads& g = mlps[j];
     const int H = static_cast<int>(g.H), I = static_cast<int>(g.I);
     GemmParams& down = c.gemm[j];
-    down = sm90::RowGroups(g.offsets, g.block_m, g.groups, g.m);
+    down = sm90::RowGroups(g.offsets, g.block_m, g.groups, g.m, g.m_expected);
     down.m = I, down.n = H, down.n_split = H;
     down.out0 = g.dw_down, down.out1 = g.dw_down, down.row_tokens = g.row_tokens;
     if (auto err = sm90::PrepareGemm<sm90::BwdWeights>(down, {g.h, I, g.m}, {g.dy_r, H, g.m},
                                                        {}))
       return err;
     GemmParams& up = c.gemm[2 + j];
-    up = sm90::RowGroups(g.offsets, g.block_m, g.groups, g.m);
+    up = sm90::RowGroups(g.offsets, g.block_m, g.groups, g.m, g.m_expected);
     up.m = H, up.n = 2 * I, up.n_split = I;
     up.out0 = g.dw_gate, up.out1 = g.dw_up, up.row_tokens = g.row_tokens;
     if (auto err = sm90::PrepareGemm<sm90::BwdWeights>(up, {g.x_rows, H, g.m},
@@ -111,6 +112,7 @@ const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
   if (a.T * a.k >= (int64_t{1} << 31) || a.R >= (int64_t{1} << 31))
     return "T * k and the routed rows must stay below 2^31";
   if (a.dy_f32 && a.Is > 0) return "a shared expert needs dy of x's dtype (bf16)";
+  if (a.ranks < 1) return "ranks must be at least 1";
   using bf16 = __nv_bfloat16;
   const int E = static_cast<int>(a.E), k = static_cast<int>(a.k), H = static_cast<int>(a.H);
 
@@ -118,6 +120,8 @@ const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
   // dx_r; then the recompute's per-row-tile counts of gu. The gather clears them.
   int32_t* ready = a.queue + kQueueHeaderInts;
   const int mlp_count = a.Is > 0 ? 2 : 1;
+  const int64_t routes = a.T * a.k;
+  const int64_t expected = ExpectedRoutedRows(routes, a.R, a.ranks);
   sm90::GatherKernel<<<sm90::GatherCtas(a.T, E), 256, 0, stream>>>(
       static_cast<const uint4*>(a.x), a.pos, a.rows, a.offsets, a.T, k, a.block_m, H / 8,
       static_cast<uint4*>(a.xs), a.queue, TileQueueInts(a.T, a.k, a.E));
@@ -129,9 +133,9 @@ const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
   if (a.recompute) {
     const sm90::ExpertMlp mlps[2] = {
         {a.xs, a.w_gate, a.w_up, a.w_down, a.offsets, a.rows, a.block_m, E, a.R, a.H, a.I,
-         a.gu_scratch, a.h, nullptr, -1},
+         a.gu_scratch, a.h, nullptr, -1, expected},
         {a.x, a.ws_gate, a.ws_up, a.ws_down, nullptr, nullptr, 128, 1, a.T, a.H, a.Is,
-         a.gu_shared_scratch, a.h_shared, nullptr, -1}};
+         a.gu_shared_scratch, a.h_shared, nullptr, -1, a.T}};
     if (auto err = sm90::LaunchExpertMlps(mlps, mlp_count, true, false, a.queue + 0, ready,
                                           stream))
       return err;
@@ -149,16 +153,16 @@ const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
   }
   const MlpGrads mlps[2] = {
       {a.xs, gu, a.dy_routed, a.w_gate, a.w_up, a.w_down, a.offsets, a.rows, a.block_m, E, a.R,
-       a.H, a.I, a.dgu, a.h, a.dx_routed, a.dw_gate, a.dw_up, a.dw_down},
+       a.H, a.I, expected, a.dgu, a.h, a.dx_routed, a.dw_gate, a.dw_up, a.dw_down},
       {a.x, gu_shared, a.dy, a.ws_gate, a.ws_up, a.ws_down, nullptr, nullptr, 128, 1, a.T, a.H,
-       a.Is, a.dgu_shared, a.h_shared, a.dx_shared, a.dws_gate, a.dws_up, a.dws_down}};
+       a.Is, a.T, a.dgu_shared, a.h_shared, a.dx_shared, a.dws_gate, a.dws_up, a.dws_down}};
   // dgu and h first; then dx_r, which reads the weights, and the weight gradients, which
   // write theirs, each a launch of its own.
   ChainParams down, dx, weights;
   if (auto err = DataGradChains(mlps, mlp_count, &down, &dx)) return err;
   if (auto err = WeightGradChain(mlps, mlp_count, &weights)) return err;
   down.queue = a.queue + 1, dx.queue = a.queue + 3, weights.queue = a.queue + 2;
-  weights.run_tiles = sm90::WeightGradRunTiles(a.T * a.k, a.E);
+  weights.run_tiles = sm90::WeightGradRunTiles(CeilDiv(routes, a.ranks), a.E);
   if (auto err = sm90::LaunchQueued<sm90::BwdDown, sm90::BwdDown>(down, stream)) return err;
   // NOTES: until 2026-12-01 the two ran in one launch (DualChainKernel: 40% of the CTAs
   // started on dx_r, the rest on the weight gradients, each going on to the other chain when

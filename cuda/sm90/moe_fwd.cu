@@ -56,11 +56,13 @@ const char* ReadSkip(Skip* skip) {
 const char* LaunchMoeFwd(const MoeFwdArgs& a, cudaStream_t stream) {
   if (a.H % 64 || a.I % 64 || a.Is % 64) return "H, I and Is must be multiples of 64";
   if (a.E > sm90::kMaxExperts) return "at most 512 experts per GPU";
+  if (a.ranks < 1) return "ranks must be at least 1";
   const int64_t routes = a.T * a.k;
   if (routes >= (int64_t{1} << 31) || a.R >= (int64_t{1} << 31))
     return "T * k and the routed rows must stay below 2^31";
   const int E = static_cast<int>(a.E), k = static_cast<int>(a.k);
   const int64_t chunks = CeilDiv(routes, sm90::kLayoutChunk);
+  const int64_t expected = ExpectedRoutedRows(routes, a.R, a.ranks);
   Skip skip;
   if (auto err = ReadSkip(&skip)) return err;
 
@@ -87,9 +89,9 @@ const char* LaunchMoeFwd(const MoeFwdArgs& a, cudaStream_t stream) {
   // launch: gu (unless null: not kept) and h = silu(g) * u, then y = h @ w_down.
   sm90::ExpertMlp mlps[2] = {
       {a.xs, a.w_gate, a.w_up, a.w_down, a.offsets, a.rows, a.block_m, E, a.R, a.H, a.I, a.gu, a.h,
-       a.y_routed, 0},
+       a.y_routed, 0, expected},
       {a.x, a.ws_gate, a.ws_up, a.ws_down, nullptr, nullptr, 128, 1, a.T, a.H, a.Is, a.gu_shared,
-       a.h_shared, a.y_shared, static_cast<int>(RoutedRowTilesBound(routes, a.E))}};
+       a.h_shared, a.y_shared, static_cast<int>(RoutedRowTilesBound(routes, a.E)), a.T}};
   const int count = (a.Is > 0 && !skip.shared) ? 2 : 1;
   if (auto err = sm90::LaunchExpertMlps(mlps, count, !skip.gemm1, !skip.gemm2, queue,
                                         queue + kQueueHeaderInts, stream))
