@@ -51,7 +51,8 @@ def fwd_signature():
                        block_m=BLOCK_M)
 
   target, results, attributes = ffi_signature(fwd, *fwd_operands().values())
-  assert target == "mok_moe_fwd" and attributes == {"block_m": BLOCK_M, "recompute": False}
+  assert target == "mok_moe_fwd" and attributes == {"block_m": BLOCK_M, "recompute": False,
+                                                    "ranks": 1}
   return dict(zip(FWD_RESULT_NAMES, results)), results[len(FWD_RESULT_NAMES):]
 
 

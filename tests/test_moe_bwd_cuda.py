@@ -177,6 +177,26 @@ def test_same_bits_in_clusters(block_m):
   assert_same_digests(runs, runs["1"], "MOK_GEMM_CLUSTER")
 
 
+
+def test_same_bits_whatever_ranks_hint():
+  """`ranks` (expert parallelism's hint) moves the launch choices, never the bits: with 512
+  routes an expert seen as 64 (ranks = 8) the routed launches go to clusters of two and tails
+  over full row tiles, and the weight gradients to runs, where ranks = 1 takes none of them."""
+  case = make_case(4096, 512, 384, 64, 8, Is=128, dtype=BF16, seed=13)
+  args = (case.x, jnp.asarray(case.experts), case.weights, case.w_gate, case.w_up, case.w_down)
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def layer(ranks, dy, *a):
+    y, res = ops.moe_fwd(*a, case.shared, out_dtype=BF16, block_m=128, ranks=ranks)
+    return y, ops.moe_bwd(dy, *a, case.shared, res, block_m=128, ranks=ranks)
+
+  want = jax.tree.leaves(layer(1, case.dy.astype(BF16), *args))
+  for ranks in (2, 8):
+    got = jax.tree.leaves(layer(ranks, case.dy.astype(BF16), *args))
+    assert len(got) == len(want) == 9  # y; dx, dweights, dw_gate, dw_up, dw_down, the shared 3
+    differ = [i for i, (g, w) in enumerate(zip(got, want)) if bits(g) != bits(w)]
+    assert not differ, f"ranks = {ranks}: different bits in outputs {differ}"
+
 def test_f32_partial_output_under_shard_map():
   """Expert parallelism over a 1-GPU axis: the kernel returns an f32 partial y and gets f32 dy."""
   case = make_case(512, 128, 128, 8, 2, dtype=BF16, seed=6)
