@@ -11,7 +11,11 @@ down at the power limit and whether the GPU idles between calls.
 Usage: python tools/ab/measure.py NAME SHAPES [MODES] (bench shapes, or tiny; the modes timed,
 fwd,fwd+bwd by default: one of them takes half the time); MOK_AB_BACKEND (default cuda) picks
 the backend, e.g. xla for a smoke run on a CPU; MOK_AB_SKEW (default 0, uniform) the Zipf
-exponent of the routing, as the bench's --skew."""
+exponent of the routing, as the bench's --skew. MOK_AB_RANKS=P measures instead the call of one
+rank of P expert-parallel ranks on the shape's tokens: all of them, the first E / P experts, the
+ids of the others invalid, as mok_jax.moe under shard_map gives each rank; the call is told
+ranks = MOK_AB_RANKS_HINT (default P), the hint for the kernel's launch choices (ffi backends
+only)."""
 
 import collections
 import glob
@@ -26,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import mok_jax
+from mok_jax import functional
 from mok_jax.bench import clocks
 from mok_jax.bench import inputs as bench_inputs
 from mok_jax.bench import shapes as bench_shapes
@@ -149,6 +154,10 @@ def layer_calls(shape_name, backend):
   (wg, wu, wd, _), sets = bench_inputs.jax_inputs(
       shape, jnp.bfloat16, seed=0, skew=float(os.environ.get("MOK_AB_SKEW", "0")), n_sets=1)
   x, experts, weights, dy = sets[0]
+  ranks = int(os.environ.get("MOK_AB_RANKS", "1"))
+  if ranks > 1:
+    return rank_calls(ranks, int(os.environ.get("MOK_AB_RANKS_HINT", ranks)), x, experts,
+                      weights, dy, wg, wu, wd)
 
   def fwd(x, weights, wg, wu, wd):
     return mok_jax.moe(x, experts, weights, wg, wu, wd, backend=backend)
@@ -158,6 +167,24 @@ def layer_calls(shape_name, backend):
     return y, pull(dy)
 
   return jax.jit(fwd), jax.jit(step), (x, weights, wg, wu, wd)
+
+
+def rank_calls(ranks, hint, x, experts, weights, dy, wg, wu, wd):
+  """layer_calls for rank 0 of `ranks` expert-parallel ranks, told `ranks` = hint: its experts
+  are the first E / ranks, every other route an invalid id."""
+  local = wg.shape[0] // ranks
+  ids = jnp.where(experts < local, experts, -1).astype(jnp.int32)
+  config = mok_jax.Config()
+
+  def fwd(x, weights, wg, wu, wd):
+    return functional._moe_ffi(x, ids, weights, wg, wu, wd, None, out_dtype=x.dtype,
+                               config=config, ranks=hint)
+
+  def step(x, weights, wg, wu, wd):
+    y, pull = jax.vjp(fwd, x, weights, wg, wu, wd)
+    return y, pull(dy)
+
+  return jax.jit(fwd), jax.jit(step), (x, weights, wg[:local], wu[:local], wd[:local])
 
 
 def mode_call(shape_name, mode):
