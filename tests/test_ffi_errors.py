@@ -282,6 +282,8 @@ BAD_OPS_ARGS = [
      r"moe_fwd/moe_bwd: weights must be float32"),
     ("x_f16", dict(x=jnp.zeros((T, H), jnp.float16)), r"moe: x has dtype float16"),
     ("out_dtype", dict(out_dtype=bf16), r"moe_fwd: out_dtype must be x's dtype or float32"),
+    ("ranks_0", dict(ranks=0), r"moe_fwd/moe_bwd: ranks must be an integer of at least 1"),
+    ("ranks_float", dict(ranks=2.0), r"moe_fwd/moe_bwd: ranks must be an integer of at least 1"),
 ]
 
 
