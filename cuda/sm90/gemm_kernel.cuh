@@ -236,8 +236,9 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
             p, p.offsets ? smem.offsets : nullptr, p.offsets ? tile_start : nullptr, used_end,
             linear - cs.first_tile[decltype(slot)::value]);
       };
-      // Runs (kGroupedK): the run's next tile and how many of it are left; the tile before.
-      const bool runs = Kind0::kRuns && kClusterM == 1 && c.run_tiles > 1;
+      // Runs (GemmKind::kRuns, the weight gradients, never in clusters; launched with
+      // run_tiles > 1): the run's next tile and how many of it are left; the tile before.
+      static_assert(!Kind0::kRuns || kClusterM == 1, "runs are one CTA's");
       int64_t run_next = 0;
       int run_left = 0;
       int last_i = -1, last_group = -1, last_n_tile = -1;  // of a tile in fixed stages
@@ -247,7 +248,7 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
         // CTAs that join from another chain).
         int64_t linear;
         bool run_first = true;
-        if (runs) {
+        if constexpr (Kind0::kRuns) {
           if (run_left == 0) {
             run_next = int64_t{atomicAdd(c.queue, 1)} * c.run_tiles;
             run_left = c.run_tiles;
@@ -275,15 +276,17 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
           WithSlot<kSlots>(i, [&](auto s) __attribute__((always_inline)) {
             tile = schedule(s, linear);
           });
-          if (runs) {
+          if constexpr (Kind0::kRuns) {
             // Same slot, group and column tile as the tile before in this run: the same B.
             tile.fixed_stages = tile.num_k <= Kind0::kStages;
             tile.keep_b = !run_first && tile.fixed_stages && last_i == i &&
                           last_group == tile.group && last_n_tile == tile.n_tile;
           }
         }
-        last_i = tile.fixed_stages ? i : -1;
-        last_group = tile.group, last_n_tile = tile.n_tile;
+        if constexpr (Kind0::kRuns) {
+          last_i = tile.fixed_stages ? i : -1;
+          last_group = tile.group, last_n_tile = tile.n_tile;
+        }
         BarrierWait(&cs.slot_empty[slot], ((j / kTileSlots) & 1) ^ 1);
         cs.slot_tile[slot] = tile;
         cs.slot_chain[slot] = i;
