@@ -33,16 +33,24 @@ inline bool Describe(CUtensorMap* map, const Matrix& m, bool k_major, int box_ro
   return MakePanelMap(map, m.base, m.inner, m.rows, block_k, box_rows / GemmConfig::kBoxInner);
 }
 
+// A diagnostic override of a launch choice: the integer in environment variable `name` when it
+// is one and lies in [lo, hi], else -1 (none; a value outside the range is ignored rather than
+// clamped, so that no setting means something other than what it says). Each caller reads its
+// variable once per process (a function-local static).
+inline int EnvOverride(const char* name, int lo, int hi) {
+  const char* env = std::getenv(name);
+  if (!env || !*env) return -1;
+  char* end = nullptr;
+  const long v = std::strtol(env, &end, 10);
+  return *end == '\0' && v >= lo && v <= hi ? static_cast<int>(v) : -1;
+}
+
 // Row tiles per band of the tile order. Eight row tiles and the column panels the rest of a
 // wave of 132 CTAs spans keep the bytes a wave reads from HBM near the smallest for all four
 // bench shapes. MOK_GEMM_RASTER_ROWS overrides (a diagnostic; 1 = column tiles fastest).
 inline int RasterRows() {
-  static const int rows = [] {
-    const char* env = std::getenv("MOK_GEMM_RASTER_ROWS");
-    const int v = env ? std::atoi(env) : 0;
-    return v > 0 ? v : 8;
-  }();
-  return rows;
+  static const int forced = EnvOverride("MOK_GEMM_RASTER_ROWS", 1, 1 << 20);
+  return forced > 0 ? forced : 8;
 }
 
 // Whether the groups of a row-grouped GEMM average at most kClusterRows rows (routed rows with
@@ -73,10 +81,7 @@ inline bool FewRowsPerGroup(const GemmParams& p) {
 // gptoss_120b 2.94 (an outlier: 2.78 in forward+backward) / 2.67 / 2.66, b2b 2.98 / 2.93 /
 // 2.95; mixtral 7.51 / 7.62 / 8.09, b2b 8.51 / 8.67 / 9.06; qwen3_30b and dsv3 within 1%.
 inline int MaxTails(const GemmParams& p) {
-  static const int forced = [] {
-    const char* env = std::getenv("MOK_GEMM_TAILS");
-    return env ? std::max(0, std::atoi(env)) : -1;
-  }();
+  static const int forced = EnvOverride("MOK_GEMM_TAILS", 0, 1 << 20);
   if (forced >= 0) return forced;
   return FewRowsPerGroup(p) ? GemmConfig::kBlockM / kTailRows : 1;
 }
@@ -97,10 +102,7 @@ constexpr int kRunTiles = 8;
 constexpr int64_t kRunRoutes = 160;
 
 inline int WeightGradRunTiles(int64_t routes, int64_t experts) {
-  static const int forced = [] {
-    const char* env = std::getenv("MOK_WGRAD_RUN");
-    return env ? std::max(1, std::atoi(env)) : 0;
-  }();
+  static const int forced = EnvOverride("MOK_WGRAD_RUN", 1, 1 << 20);
   if (forced > 0) return forced;
   return routes <= kRunRoutes * experts ? kRunTiles : 1;
 }
@@ -199,11 +201,8 @@ const char* LaunchGemmKernel(void (*kernel)(Params...), size_t smem, int64_t cta
 // Whether a row-grouped launch of `c` runs in clusters of two CTAs (ScheduleUnit): when its
 // groups have few rows (FewRowsPerGroup). MOK_GEMM_CLUSTER=1 or 2 forces either.
 inline bool UseClusters(const ChainParams& c) {
-  static const int forced = [] {
-    const char* env = std::getenv("MOK_GEMM_CLUSTER");
-    return env ? std::atoi(env) : 0;
-  }();
-  if (forced == 1 || forced == 2) return forced == 2;
+  static const int forced = EnvOverride("MOK_GEMM_CLUSTER", 1, 2);
+  if (forced > 0) return forced == 2;
   for (const GemmParams& p : c.gemm) {
     if (p.offsets) return FewRowsPerGroup(p);
   }
