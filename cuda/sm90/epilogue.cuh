@@ -195,12 +195,58 @@ __device__ __forceinline__ void StageAndStore(const GemmParams& p, const GemmTil
 // those chains. As now, the launch took (H200, 2026-12-01, two rounds, same bits): qwen3_30b
 // 0.940 / 0.955 -> 0.886 / 0.883 ms, gptoss_120b 1.343 / 1.339 -> 1.253 / 1.243, dsv3 2.457 /
 // 2.478 -> 2.374 / 2.387, mixtral 3.475 / 3.495 -> 3.308 / 3.360.
+// Where a consumer thread's 16-byte copies of the SwiGLU backward's passes lie (32 columns a
+// pass): chunk cc of rows r1 and r1 + 32 of its warpgroup's 64-row slab, of g and of u (q = 0,
+// 1: g; 2, 3: u) in gu, and the same in dgu and h. Once a tile, not at each copy.
+struct SwiGLUBwdCopies {
+  static constexpr int kCols = 32;
+  int r1, cc, col0;  // col0: this thread's chunk, pass 0
+  bool row_in[2];
+  int64_t gu_at[2];  // element offsets of rows r1, r1 + 32 in gu and dgu (the same layout)
+  int64_t h_at[2];   // and in h
+
+  __device__ __forceinline__ SwiGLUBwdCopies(const GemmParams& p, const GemmTile& tile,
+                                             int wg_thread, WarpgroupPart part, int acc_cols) {
+    r1 = wg_thread / 4, cc = wg_thread % 4;
+    const int64_t row0 = part.row0, two_n = 2 * int64_t{p.n};
+    row_in[0] = row0 + r1 < tile.m_end, row_in[1] = row0 + r1 + 32 < tile.m_end;
+    col0 = tile.n_tile * GemmConfig::kBlockN + part.part * acc_cols + 8 * cc;
+    gu_at[0] = (row0 + r1) * two_n + col0, gu_at[1] = (row0 + r1 + 32) * two_n + col0;
+    h_at[0] = (row0 + r1) * p.n + col0, h_at[1] = (row0 + r1 + 32) * p.n + col0;
+  }
+  __device__ __forceinline__ bool col_in(const GemmParams& p, int pass) const {
+    return col0 + kCols * pass < p.n;
+  }
+  // Pass `pass`'s g and u.
+  __device__ __forceinline__ void Load(const GemmParams& p, int pass, uint4 (&in)[4]) const {
+    const bool cols = col_in(p, pass);
+    CUTE_UNROLL
+    for (int q = 0; q < 4; ++q) {
+      in[q] = row_in[q & 1] && cols
+                  ? __ldg(reinterpret_cast<const uint4*>(p.aux + gu_at[q & 1] + (q >> 1) * p.n +
+                                                         kCols * pass))
+                  : make_uint4(0, 0, 0, 0);
+    }
+  }
+};
+
+// The first two passes' g and u of a full tile's warpgroup slab, loaded before its MMAs so that
+// the epilogue finds them in registers (SwiGLUBwdStaged's `ahead`).
+__device__ __forceinline__ void SwiGLUBwdLoadAhead(const GemmParams& p, const GemmTile& tile,
+                                                   int thread, WarpgroupPart part,
+                                                   uint4 (&ahead)[2][4]) {
+  const SwiGLUBwdCopies copies(p, tile, thread % 128, part, GemmConfig::kBlockN);
+  copies.Load(p, 0, ahead[0]);
+  copies.Load(p, 1, ahead[1]);
+}
+
 template <class Smem, class Accum>
 __device__ __forceinline__ void SwiGLUBwdStaged(const GemmParams& p, const GemmTile& tile,
                                                 Smem& smem, int thread, WarpgroupPart part,
-                                                const Accum& acc) {
+                                                const Accum& acc,
+                                                const uint4 (*ahead)[4] = nullptr) {
   // g (then dg), u (then du) and h, 64 rows x 32 columns each, fill the 12 KB staging tile.
-  constexpr int kCols = 32;
+  constexpr int kCols = SwiGLUBwdCopies::kCols;
   constexpr int kPasses = AccCols<Accum>() / kCols;
   constexpr uint32_t kRegionBytes = kWarpgroupRows * kCols * 2;
   static_assert(sizeof(smem.stage[0]) == 3 * kRegionBytes, "g, u and h");
@@ -208,49 +254,37 @@ __device__ __forceinline__ void SwiGLUBwdStaged(const GemmParams& p, const GemmT
   const uint32_t barrier = 2 + wg;
   const uint32_t g_s = SmemAddr(smem.stage[wg]);
   const uint32_t u_s = g_s + kRegionBytes, h_s = u_s + kRegionBytes;
-  const int64_t two_n = 2 * int64_t{p.n};
   auto* dgu = static_cast<__nv_bfloat16*>(p.out0);
   auto* h = static_cast<__nv_bfloat16*>(p.out1);
-  // The copies: this thread moves 16-byte chunk cc of the pass in rows r1 and r1 + 32 of the
-  // warpgroup's 64-row slab, of g and of u (q = 0, 1: g; 2, 3: u).
-  const int r1 = wg_thread / 4, cc = wg_thread % 4;
-  const int64_t row0 = part.row0;
-  const bool row_in[2] = {row0 + r1 < tile.m_end, row0 + r1 + 32 < tile.m_end};
-  // This thread's chunk, pass 0.
-  const int col0 = tile.n_tile * GemmConfig::kBlockN + part.part * AccCols<Accum>() + 8 * cc;
-  // Its element offsets in rows r1 and r1 + 32: in gu and dgu (the same layout), and in h. Once
-  // a tile, not at each copy.
-  const int64_t gu_at[2] = {(row0 + r1) * two_n + col0, (row0 + r1 + 32) * two_n + col0};
-  const int64_t h_at[2] = {(row0 + r1) * p.n + col0, (row0 + r1 + 32) * p.n + col0};
+  const SwiGLUBwdCopies copies(p, tile, wg_thread, part, AccCols<Accum>());
+  const int r1 = copies.r1, cc = copies.cc;
   // Byte offset of element (row, 8 chunk) of a (64, 32) array: chunks swizzled by row / 2, so
   // that both the 16-byte copies and the 4-byte accesses at accumulator positions are free of
   // bank conflicts.
   auto at = [](int row, int chunk) {
     return static_cast<uint32_t>(2 * (row * kCols + ((chunk ^ ((row >> 1) & 3)) << 3)));
   };
-  auto load = [&](int pass, uint4 (&in)[4]) {
-    const bool col_in = col0 + kCols * pass < p.n;
-    CUTE_UNROLL
-    for (int q = 0; q < 4; ++q) {
-      in[q] = row_in[q & 1] && col_in
-                  ? __ldg(reinterpret_cast<const uint4*>(p.aux + gu_at[q & 1] + (q >> 1) * p.n +
-                                                         kCols * pass))
-                  : make_uint4(0, 0, 0, 0);
-    }
-  };
-  // g and u two passes ahead: in[pass % 2] holds pass `pass`'s.
+  // g and u two passes ahead: in[pass % 2] holds pass `pass`'s (the first two from `ahead`,
+  // loaded before the tile's MMAs, where given).
   uint4 in[2][4];
-  load(0, in[0]);
-  if (kPasses > 1) load(1, in[1]);
+  CUTE_UNROLL
+  for (int pass = 0; pass < 2 && pass < kPasses; ++pass) {
+    if (ahead) {
+      CUTE_UNROLL
+      for (int q = 0; q < 4; ++q) in[pass][q] = ahead[pass][q];
+    } else {
+      copies.Load(p, pass, in[pass]);
+    }
+  }
   const int r0 = AccRow(wg_thread), c0 = AccCol(wg_thread);
   CUTE_UNROLL
   for (int pass = 0; pass < kPasses; ++pass) {
-    const bool col_in = col0 + kCols * pass < p.n;
+    const bool col_in = copies.col_in(p, pass);
     NamedBarrierSync(barrier, 128);  // the warpgroup's copies out of the last pass are done
     CUTE_UNROLL
     for (int q = 0; q < 4; ++q)
       StoreShared128((q >> 1 ? u_s : g_s) + at(r1 + 32 * (q & 1), cc), in[pass % 2][q]);
-    if (pass + 2 < kPasses) load(pass + 2, in[pass % 2]);  // in flight for two passes
+    if (pass + 2 < kPasses) copies.Load(p, pass + 2, in[pass % 2]);  // in flight two passes
     NamedBarrierSync(barrier, 128);
     uint32_t a[8], gv[8], uv[8];  // this thread's values v, v + 1 of the pass, j = 0..7
     CUTE_UNROLL
@@ -288,12 +322,13 @@ __device__ __forceinline__ void SwiGLUBwdStaged(const GemmParams& p, const GemmT
       out[q] = LoadShared128(g_s + (q >> 1) * kRegionBytes + at(r1 + 32 * (q & 1), cc));
     CUTE_UNROLL
     for (int q = 0; q < 4; ++q) {
-      if (row_in[q & 1] && col_in)
-        StoreGlobal128(dgu + gu_at[q & 1] + (q >> 1) * p.n + kCols * pass, out[q]);
+      if (copies.row_in[q & 1] && col_in)
+        StoreGlobal128(dgu + copies.gu_at[q & 1] + (q >> 1) * p.n + kCols * pass, out[q]);
     }
     CUTE_UNROLL
     for (int q = 0; q < 2; ++q) {
-      if (row_in[q] && col_in) StoreGlobal128(h + h_at[q] + kCols * pass, out[4 + q]);
+      if (copies.row_in[q] && col_in)
+        StoreGlobal128(h + copies.h_at[q] + kCols * pass, out[4 + q]);
     }
   }
 }
@@ -528,10 +563,13 @@ __device__ __forceinline__ void ZeroTailPadding(const GemmParams& p, const GemmT
 }
 
 // thread: index among the 256 consumer threads; acc: its warpgroup's part of the tile.
+// gu_ahead: kSwiGLUBwd, the first two passes' g and u if loaded before the MMAs
+// (SwiGLUBwdLoadAhead), else null.
 template <class Kind, bool kLateAddresses = false, class Smem, class Accum>
 __device__ __forceinline__ void StoreTile(const GemmParams& p, const GemmTile& tile,
                                           Smem& smem, int thread, WarpgroupPart part,
-                                          const Accum& acc) {
+                                          const Accum& acc,
+                                          const uint4 (*gu_ahead)[4] = nullptr) {
   constexpr Epilogue kEpi = Kind::kEpi;
   static_assert(AccCols<Accum>() == 256 || AccCols<Accum>() == 128,
                 "a 64 x 256 or 64 x 128 wgmma atom per warpgroup");
@@ -539,7 +577,7 @@ __device__ __forceinline__ void StoreTile(const GemmParams& p, const GemmTile& t
   if constexpr (kEpi == Epilogue::kStoreF32) {
     StageAndStoreF32(p, tile, smem, thread, part, acc);
   } else if constexpr (kEpi == Epilogue::kSwiGLUBwd) {
-    SwiGLUBwdStaged(p, tile, smem, thread, part, acc);
+    SwiGLUBwdStaged(p, tile, smem, thread, part, acc, gu_ahead);
   } else {
     static_assert(Kind::kSched == Schedule::kRowsByGroup, "grouped outputs are TMA-stored");
     StageAndStore<Kind, kLateAddresses>(p, tile, smem, thread, part, acc);

@@ -375,6 +375,14 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
         auto acc = cute::partition_fragment_C(
             typename GemmLayouts<Kind0>::TiledMma{},
             cute::Shape<cute::Int<C::kBlockM>, cute::Int<C::kBlockN>>{});
+        // The SwiGLU backward's first g and u, in flight during the MMAs.
+        uint4 gu_ahead[2][4];
+        if constexpr (Kind0::kEpi == Epilogue::kSwiGLUBwd) {
+          WithSlot<kSlots>(i, [&](auto s) __attribute__((always_inline)) {
+            SwiGLUBwdLoadAhead(c.gemm[decltype(s)::value], tile, thread,
+                               {tile.m0 + wg * kWarpgroupRows, 0}, gu_ahead);
+          });
+        }
         with_tail([&](auto extra) __attribute__((always_inline)) {
           MmaTile<Kind0, kClusterM>(tile, smem, thread, acc, it, extra);
         });
@@ -386,8 +394,9 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
                       kSlot);
           } else {
             store_tail(s);  // first: its accumulators' registers are free for StoreTile's
-            StoreTile<SlotKind<Kind0, Kind1, kSlot>, (kClusterM > 1)>(c.gemm[kSlot], tile, smem,
-                                                                      thread, part, acc);
+            StoreTile<SlotKind<Kind0, Kind1, kSlot>, (kClusterM > 1)>(
+                c.gemm[kSlot], tile, smem, thread, part, acc,
+                Kind0::kEpi == Epilogue::kSwiGLUBwd ? gu_ahead : nullptr);
             zero_tail(s);
             publish(s);
           }
