@@ -546,6 +546,26 @@ def test_derive_speedup_peak_and_checks():
   assert "out of memory [" in text and "disagree with mok_jax:xla" in text
 
 
+def test_back_to_back_samples_hold_many_calls(monkeypatch):
+  """A 25 ms call (dsv3's forward+backward) gets about B2B_SAMPLE_S of calls a sample, one
+  synchronisation's latency spread over ten of them, and the record says how long a sample was."""
+  clock = _FakeClock()
+  monkeypatch.setattr(timing.time, "perf_counter", clock)
+
+  def call(i):
+    clock.now += 0.025
+    return i
+
+  got = jobs.back_to_back(call, lambda out: None, {"sets": 3, "reps": 20, "min_reps": 5,
+                                                   "budget_s": 3.0})
+  assert got["timing_b2b"]["calls_per_sample"] == 10
+  assert got["timing_b2b"]["sample_s"] == jobs.B2B_SAMPLE_S
+  assert got["ms_b2b"]["median"] == pytest.approx(25.0)
+  text = report.table(report.derive([dict(_record("mok_jax:cuda", "mok_jax", 26.0, {"y": 1.0}),
+                                          **got)]))
+  assert "samples of about\n  250 ms of calls" in text
+
+
 def test_back_to_back_figures_and_failure():
   """jobs.back_to_back times the call as batches (calls per sample >= 1, one sync per sample);
   a call that fails there leaves a b2b status and reason, which the table shows with a note."""

@@ -71,6 +71,15 @@ def stage(mode: str, text: str) -> dict:
   return {"event": "stage", "mode": mode, "stage": text}
 
 
+# Seconds of calls in one back-to-back sample: enough calls that one synchronisation's latency
+# (0.4-0.7 ms with JAX) is spread over many of them.
+#
+# NOTES: at the dense peak's 50 ms a sample held one or two calls of the forward+backward of
+# mixtral and dsv3 (mok_jax 22.5-28 ms, torch 31-40 ms: results/h200/h200.jsonl of 2026-12-01
+# 09:44 UTC), so their b2b figure still paid a synchronisation every call or two.
+B2B_SAMPLE_S = 0.25
+
+
 def back_to_back(call, sync, job: dict) -> dict:
   """The MoE mode's call timed as the dense peak is (timing.batched: back-to-back calls, one
   synchronisation per sample of many), after its one-synchronised-call-at-a-time timing:
@@ -89,7 +98,8 @@ def back_to_back(call, sync, job: dict) -> dict:
     with clocks.sampling(found, "gpu_b2b"):
       seconds, how = timing.batched(call, sync, n_sets=job["sets"], warmup_s=0.0,
                                     reps=job["reps"], min_reps=min(3, job["min_reps"]),
-                                    budget_s=job["budget_s"] / 2, max_in_flight=2)
+                                    budget_s=job["budget_s"] / 2, sample_s=B2B_SAMPLE_S,
+                                    max_in_flight=2)
   except Exception as exc:  # pylint: disable=broad-except
     return {"b2b_status": peers.failure_status(exc), "b2b_reason": peers.describe_exception(exc)}
   return {"ms_b2b": timing.summarize(seconds), "timing_b2b": how, **found}

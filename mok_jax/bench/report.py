@@ -231,10 +231,13 @@ def _header(records: list[dict]) -> list[str]:
     lines.append("  after --warmup calls and --warmup-s seconds of warm-up (at most half of "
                  "--budget-s); (n=..): fewer samples than --reps, cut by --budget-s")
   if any(r.get("kind") == "moe" and r.get("ms_b2b") for r in records):
+    # Records before 2026-12-01 10:30 UTC do not say: their samples were 50 ms.
+    sample_ms = sorted({round(1e3 * (r.get("timing_b2b") or {}).get("sample_s", 0.05))
+                        for r in records if r.get("kind") == "moe" and r.get("ms_b2b")})
     lines.append("b2b: the same call timed back to back as the dense matmul is (median ms a call "
                  "of samples of about")
-    lines.append("  50 ms of calls, one sync each), without a sync's latency between two calls; "
-                 "b2b MHz: the median SM clock")
+    lines.append(f"  {' or '.join(map(str, sample_ms))} ms of calls, one sync each), without a "
+                 "sync's latency between two calls; b2b MHz: the median SM clock")
     lines.append("  meanwhile (nvidia-smi every 0.1 s; a GPU at its power limit clocks lower)")
   lines.append("vs peer = the best peer's median / this median; compile s = jit lower+compile "
                "(JAX), first call (eager PyTorch)")

@@ -112,7 +112,7 @@ def batched(call: Callable[[int], object], sync: Callable[[object], None], *, n_
     seconds.append(run_batch(calls, size))
     calls += size
   return seconds, {"warmup_calls": calls - n * size, "warmup_s": round(warm_s, 4),
-                   "reps_asked": reps, "calls_per_sample": size}
+                   "reps_asked": reps, "calls_per_sample": size, "sample_s": sample_s}
 
 
 def summarize(seconds: list[float]) -> dict:
