@@ -75,8 +75,9 @@ def stage(mode: str, text: str) -> dict:
 # (0.4-0.7 ms with JAX) is spread over many of them.
 #
 # NOTES: at the dense peak's 50 ms a sample held one or two calls of the forward+backward of
-# mixtral and dsv3 (mok_jax 22.5-28 ms, torch 31-40 ms: results/h200/h200.jsonl of 2026-12-01
-# 09:44 UTC), so their b2b figure still paid a synchronisation every call or two.
+# mixtral and dsv3 (mok_jax 22.5-28 ms, torch 31-40 ms: results/h200/h200_0944.jsonl of
+# 2026-12-01 09:44 UTC), so their b2b figure still paid a synchronisation every call or two; at
+# 250 ms the samples held 6-86 calls of every shape's mok_jax and torch modes (10:02 UTC).
 B2B_SAMPLE_S = 0.25
 
 
