@@ -231,7 +231,7 @@ def _header(records: list[dict]) -> list[str]:
     lines.append("  after --warmup calls and --warmup-s seconds of warm-up (at most half of "
                  "--budget-s); (n=..): fewer samples than --reps, cut by --budget-s")
   if any(r.get("kind") == "moe" and r.get("ms_b2b") for r in records):
-    # Records before 2026-12-01 10:30 UTC do not say: their samples were 50 ms.
+    # Records of runs before 2026-12-01 10:02 UTC (290a068) do not say: their samples were 50 ms.
     sample_ms = sorted({round(1e3 * (r.get("timing_b2b") or {}).get("sample_s", 0.05))
                         for r in records if r.get("kind") == "moe" and r.get("ms_b2b")})
     lines.append("b2b: the same call timed back to back as the dense matmul is (median ms a call "
