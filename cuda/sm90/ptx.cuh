@@ -127,9 +127,6 @@ __device__ __forceinline__ void WaitAtLeast(const int32_t* flag, int32_t target)
   }
 }
 
-// Shared-memory accesses by 32-bit shared address. The GEMM's shared memory is reached through
-// a pointer realigned by integer arithmetic, which loses its address space: plain C++ accesses
-// through it compile to generic LD/ST.
 // 2^x, subnormal inputs and results flushed to zero.
 __device__ __forceinline__ float Exp2Ftz(float x) {
   float y;
@@ -137,6 +134,9 @@ __device__ __forceinline__ float Exp2Ftz(float x) {
   return y;
 }
 
+// Shared-memory accesses by 32-bit shared address. The GEMM's shared memory is reached through
+// a pointer realigned by integer arithmetic, which loses its address space: plain C++ accesses
+// through it compile to generic LD/ST.
 __device__ __forceinline__ void StoreShared32(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
 }
