@@ -69,10 +69,12 @@ struct MoeBwdArgs {
   void* dws_gate;         // (H, Is)
   void* dws_up;           // (H, Is)
   void* dws_down;         // (Is, H)
-  void* dy_routed;        // scratch (R, H) bf16
-  void* dgu;              // scratch (R, 2I) bf16
-  float* dx_routed;       // scratch (R, H)
+  // xs and dy_routed are live until the weight gradients have read them; dx_routed, written
+  // after, may lie over them (the FFI handler gives it their buffer).
   void* xs;               // scratch (R, H) bf16
+  void* dy_routed;        // scratch (R, H) bf16
+  float* dx_routed;       // scratch (R, H)
+  void* dgu;              // scratch (R, 2I) bf16
   void* h;                // scratch (R, I) bf16
   void* dgu_shared;       // scratch (T, 2Is) bf16
   void* h_shared;         // scratch (T, Is) bf16

@@ -68,11 +68,12 @@ struct MoeBwdResults {
   ffi::AnyBuffer dws_gate;    // (H, Is)
   ffi::AnyBuffer dws_up;      // (H, Is)
   ffi::AnyBuffer dws_down;    // (Is, H)
-  ffi::AnyBuffer dy_routed;   // scratch (R, H) like x: w[t, j] * dy[t]
+  // scratch (2, R, H) like x: [0] xs, the token row of each routed row, [1] dy_routed,
+  // w[t, j] * dy[t]; once the weight gradients have read them, dx_routed (R, H) f32 over the
+  // whole buffer (4 R H bytes of its 2 b R H).
+  ffi::AnyBuffer routed;
   ffi::AnyBuffer dgu;         // scratch (R, 2I) like x: [dg | du]
-  ffi::AnyBuffer dx_routed;   // scratch (R, H) f32
   ffi::AnyBuffer dgu_shared;  // scratch (T, 2Is) like x
-  ffi::AnyBuffer xs;          // scratch (R, H) like x: token row of each routed row
   ffi::AnyBuffer h;           // scratch (R, I) like x: silu(g) * u from gu
   ffi::AnyBuffer h_shared;    // scratch (T, Is) like x
   ffi::AnyBuffer dx_shared;   // scratch (T, H) f32, (0, H) when Is = 0
@@ -159,11 +160,9 @@ auto BindMoeBwd(Binding binding) {
       .template Ret<ffi::AnyBuffer>()            // dws_gate (H, Is)
       .template Ret<ffi::AnyBuffer>()            // dws_up (H, Is)
       .template Ret<ffi::AnyBuffer>()            // dws_down (Is, H)
-      .template Ret<ffi::AnyBuffer>()            // scratch dy_routed (R, H)
+      .template Ret<ffi::AnyBuffer>()            // scratch xs, dy_routed (2, R, H); dx_routed
       .template Ret<ffi::AnyBuffer>()            // scratch dgu (R, 2I)
-      .template Ret<ffi::AnyBuffer>()            // scratch dx_routed (R, H) f32
       .template Ret<ffi::AnyBuffer>()            // scratch dgu_shared (T, 2Is)
-      .template Ret<ffi::AnyBuffer>()            // scratch xs (R, H)
       .template Ret<ffi::AnyBuffer>()            // scratch h (R, I)
       .template Ret<ffi::AnyBuffer>()            // scratch h_shared (T, Is)
       .template Ret<ffi::AnyBuffer>()            // scratch dx_shared (T or 0, H) f32

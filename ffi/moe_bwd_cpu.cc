@@ -4,6 +4,7 @@
 //   dh       = dy_r @ w_down^T                 dw_down_e = h_e^T @ dy_r_e   (h from gu)
 //   dg, du   = SwiGLU backward(g, u, dh)       dw_gate_e = x_e^T @ dg_e, dw_up_e = x_e^T @ du_e
 //   dx_r     = dg @ w_gate^T + du @ w_up^T     dx[t] = sum_j dx_r[pos[t, j]] + shared part
+//   (dx_r last: it takes the buffer of dy_r, as on the GPU)
 //
 // gu = [g | u] comes from the residuals, or with recompute from x first (RecomputeGu).
 #include <algorithm>
@@ -81,19 +82,17 @@ void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
   if (d.recompute) RecomputeGu<S>(d, in, rows, out);
   const S* gu = (d.recompute ? out.gu_scratch : res.gu).reinterpret_data<S>();
   const S* y_routed = res.y_routed.reinterpret_data<S>();
-  S* dy_r = out.dy_routed.reinterpret_data<S>();
+  // routed[1] holds dy_r; routed[0] is the GPU's xs, which these loops read from x instead.
+  // dx_r (f32) takes the whole buffer once the weight gradients have read dy_r, as on the GPU.
+  S* dy_r = out.routed.reinterpret_data<S>() + d.R * H;
   S* dgu = out.dgu.reinterpret_data<S>();
-  float* dx_r = out.dx_routed.reinterpret_data<float>();
   float* dweights = out.dweights.reinterpret_data<float>();
 
-  S* xs = out.xs.reinterpret_data<S>();
   S* h_rec = out.h.reinterpret_data<S>();
   // Padding rows hold zeros, so that any reduction over a padded tile sees nothing.
-  std::fill(xs, xs + d.R * H, Store<S>(0.0f));
   std::fill(h_rec, h_rec + d.R * I, Store<S>(0.0f));
   std::fill(dy_r, dy_r + d.R * H, Store<S>(0.0f));
   std::fill(dgu, dgu + d.R * 2 * I, Store<S>(0.0f));
-  std::fill(dx_r, dx_r + d.R * H, 0.0f);
   int32_t* queue = out.queue.reinterpret_data<int32_t>();
   std::fill(queue, queue + out.queue.element_count(), 0);  // the CPU GEMMs need no tile queue
   for (int64_t q = 0; q < T * k; ++q) {
@@ -113,7 +112,7 @@ void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
     *dwd = out.dw_down.reinterpret_data<S>();
   std::vector<float> acc_d(I * H), acc_g(H * I), acc_u(H * I), h_row(I);
   for (int64_t e = 0; e < d.E; ++e) {
-    const S *wg_e = wg + e * H * I, *wu_e = wu + e * H * I, *wd_e = wd + e * I * H;
+    const S* wd_e = wd + e * I * H;
     std::fill(acc_d.begin(), acc_d.end(), 0.0f);
     std::fill(acc_g.begin(), acc_g.end(), 0.0f);
     std::fill(acc_u.begin(), acc_u.end(), 0.0f);
@@ -132,18 +131,13 @@ void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
         h_rec[r * I + i] = Store<S>(Silu(g) * u);
         h_row[i] = Load(h_rec[r * I + i]);
       }
-      float* dxr_row = dx_r + r * H;
       const S* x_row = x + rows[r] / k * H;
-      std::copy(x_row, x_row + H, xs + r * H);
       for (int64_t h = 0; h < H; ++h) {
-        float xv = Load(x_row[h]), dx = 0.0f;
+        float xv = Load(x_row[h]);
         for (int64_t i = 0; i < I; ++i) {
-          float dg = Load(dgu_row[i]), du = Load(dgu_row[I + i]);
-          dx += dg * Load(wg_e[h * I + i]) + du * Load(wu_e[h * I + i]);
-          acc_g[h * I + i] += xv * dg;
-          acc_u[h * I + i] += xv * du;
+          acc_g[h * I + i] += xv * Load(dgu_row[i]);
+          acc_u[h * I + i] += xv * Load(dgu_row[I + i]);
         }
-        dxr_row[h] = dx;
       }
       for (int64_t i = 0; i < I; ++i)
         for (int64_t h = 0; h < H; ++h) acc_d[i * H + h] += h_row[i] * Load(dyr_row[h]);
@@ -152,6 +146,24 @@ void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
       dwg[e * H * I + n] = Store<S>(acc_g[n]);
       dwu[e * H * I + n] = Store<S>(acc_u[n]);
       dwd[e * I * H + n] = Store<S>(acc_d[n]);
+    }
+  }
+
+  float* dx_r = out.routed.reinterpret_data<float>();
+  std::fill(dx_r, dx_r + d.R * H, 0.0f);
+  for (int64_t e = 0; e < d.E; ++e) {
+    const S *wg_e = wg + e * H * I, *wu_e = wu + e * H * I;
+    for (int64_t r = offsets[e]; r < offsets[e + 1]; ++r) {
+      if (rows[r] < 0) continue;
+      const S* dgu_row = dgu + r * 2 * I;
+      for (int64_t h = 0; h < H; ++h) {
+        float dx = 0.0f;
+        for (int64_t i = 0; i < I; ++i) {
+          float dg = Load(dgu_row[i]), du = Load(dgu_row[I + i]);
+          dx += dg * Load(wg_e[h * I + i]) + du * Load(wu_e[h * I + i]);
+        }
+        dx_r[r * H + h] = dx;
+      }
     }
   }
 
@@ -217,9 +229,8 @@ ffi::Error MoeBwd(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer experts,
                   ffi::Result<ffi::AnyBuffer> dweights, ffi::Result<ffi::AnyBuffer> dw_gate,
                   ffi::Result<ffi::AnyBuffer> dw_up, ffi::Result<ffi::AnyBuffer> dw_down,
                   ffi::Result<ffi::AnyBuffer> dws_gate, ffi::Result<ffi::AnyBuffer> dws_up,
-                  ffi::Result<ffi::AnyBuffer> dws_down, ffi::Result<ffi::AnyBuffer> dy_routed,
-                  ffi::Result<ffi::AnyBuffer> dgu, ffi::Result<ffi::AnyBuffer> dx_routed,
-                  ffi::Result<ffi::AnyBuffer> dgu_shared, ffi::Result<ffi::AnyBuffer> xs,
+                  ffi::Result<ffi::AnyBuffer> dws_down, ffi::Result<ffi::AnyBuffer> routed,
+                  ffi::Result<ffi::AnyBuffer> dgu, ffi::Result<ffi::AnyBuffer> dgu_shared,
                   ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> h_shared,
                   ffi::Result<ffi::AnyBuffer> dx_shared, ffi::Result<ffi::AnyBuffer> gu_scratch,
                   ffi::Result<ffi::AnyBuffer> gu_shared_scratch,
@@ -227,10 +238,10 @@ ffi::Error MoeBwd(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer experts,
                   int64_t ranks) {
   MoeInputs in{x, experts, weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down};
   MoeResiduals res{pos, offsets, rows, gu, y_routed, gu_shared};
-  MoeBwdResults out{*dx,       *dweights,  *dw_gate, *dw_up, *dw_down,   *dws_gate,
-                    *dws_up,   *dws_down,  *dy_routed, *dgu, *dx_routed, *dgu_shared,
-                    *xs,       *h,         *h_shared,  *dx_shared,
-                    *gu_scratch, *gu_shared_scratch, *queue};
+  MoeBwdResults out{*dx,     *dweights, *dw_gate, *dw_up,      *dw_down,
+                    *dws_gate, *dws_up, *dws_down, *routed, *dgu,
+                    *dgu_shared, *h,    *h_shared, *dx_shared, *gu_scratch,
+                    *gu_shared_scratch, *queue};
   auto dims = CheckInputs("mok_moe_bwd", in, block_m, recompute, ranks);
   if (dims.has_error()) return dims.error();
   auto dtype = x.element_type();

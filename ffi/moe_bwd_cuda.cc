@@ -20,10 +20,8 @@ ffi::Error MoeBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
                       ffi::Result<ffi::AnyBuffer> dw_gate, ffi::Result<ffi::AnyBuffer> dw_up,
                       ffi::Result<ffi::AnyBuffer> dw_down, ffi::Result<ffi::AnyBuffer> dws_gate,
                       ffi::Result<ffi::AnyBuffer> dws_up, ffi::Result<ffi::AnyBuffer> dws_down,
-                      ffi::Result<ffi::AnyBuffer> dy_routed, ffi::Result<ffi::AnyBuffer> dgu,
-                      ffi::Result<ffi::AnyBuffer> dx_routed,
-                      ffi::Result<ffi::AnyBuffer> dgu_shared, ffi::Result<ffi::AnyBuffer> xs,
-                      ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> h_shared,
+                      ffi::Result<ffi::AnyBuffer> routed, ffi::Result<ffi::AnyBuffer> dgu,
+                      ffi::Result<ffi::AnyBuffer> dgu_shared, ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> h_shared,
                       ffi::Result<ffi::AnyBuffer> dx_shared,
                       ffi::Result<ffi::AnyBuffer> gu_scratch,
                       ffi::Result<ffi::AnyBuffer> gu_shared_scratch,
@@ -31,10 +29,10 @@ ffi::Error MoeBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
                       int64_t ranks) {
   MoeInputs in{x, experts, weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down};
   MoeResiduals res{pos, offsets, rows, gu, y_routed, gu_shared};
-  MoeBwdResults out{*dx,     *dweights, *dw_gate,   *dw_up, *dw_down,   *dws_gate,
-                    *dws_up, *dws_down, *dy_routed, *dgu,   *dx_routed, *dgu_shared,
-                    *xs,     *h,        *h_shared,  *dx_shared,
-                    *gu_scratch, *gu_shared_scratch, *queue};
+  MoeBwdResults out{*dx,     *dweights, *dw_gate, *dw_up,      *dw_down,
+                    *dws_gate, *dws_up, *dws_down, *routed, *dgu,
+                    *dgu_shared, *h,    *h_shared, *dx_shared, *gu_scratch,
+                    *gu_shared_scratch, *queue};
   auto dims = CheckInputs("mok_moe_bwd", in, block_m, recompute, ranks);
   if (dims.has_error()) return dims.error();
   const MoeDims& d = *dims;
@@ -58,9 +56,11 @@ ffi::Error MoeBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
   a.dw_down = out.dw_down.untyped_data();
   a.dws_gate = out.dws_gate.untyped_data(), a.dws_up = out.dws_up.untyped_data();
   a.dws_down = out.dws_down.untyped_data();
-  a.dy_routed = out.dy_routed.untyped_data(), a.dgu = out.dgu.untyped_data();
-  a.dx_routed = out.dx_routed.reinterpret_data<float>();
-  a.xs = out.xs.untyped_data(), a.h = out.h.untyped_data();
+  // xs and dy_routed are the two halves of `routed`; dx_routed (f32) is all of it.
+  auto* routed_rows = static_cast<char*>(out.routed.untyped_data());
+  a.xs = routed_rows, a.dy_routed = routed_rows + out.routed.size_bytes() / 2;
+  a.dx_routed = reinterpret_cast<float*>(routed_rows);
+  a.dgu = out.dgu.untyped_data(), a.h = out.h.untyped_data();
   a.dgu_shared = out.dgu_shared.untyped_data(), a.h_shared = out.h_shared.untyped_data();
   a.dx_shared = out.dx_shared.reinterpret_data<float>();
   a.recompute = d.recompute;
