@@ -74,14 +74,12 @@ struct MoeBwdArgs {
   void* xs;               // scratch (R, H) bf16
   void* dy_routed;        // scratch (R, H) bf16
   float* dx_routed;       // scratch (R, H)
-  void* dgu;              // scratch (R, 2I) bf16
+  void* dgu;              // scratch (R, 2I) bf16; may be gu (each tile reads its g, u first)
   void* h;                // scratch (R, I) bf16
-  void* dgu_shared;       // scratch (T, 2Is) bf16
+  void* dgu_shared;       // scratch (T, 2Is) bf16; may be gu_shared
   void* h_shared;         // scratch (T, Is) bf16
   float* dx_shared;       // scratch (T, H), empty when Is = 0
-  bool recompute;         // Config.recompute: gu and gu_shared from x, into the scratch below
-  void* gu_scratch;       // scratch (R, 2I) bf16 with recompute, else empty
-  void* gu_shared_scratch;  // scratch (T, 2Is) bf16 with recompute, else empty
+  bool recompute;         // Config.recompute: gu and gu_shared from x, into dgu and dgu_shared
   int32_t* queue;         // scratch (TileQueueInts(T, k, E)): tile queues of the GEMM launches
 };
 

@@ -121,18 +121,6 @@ ffi::Error CheckResiduals(const char* target, const MoeDims& d, ffi::DataType dt
   return ffi::Error::Success();
 }
 
-// The backward's scratch that holds the recomputed gu and gu_shared in recompute mode (empty
-// otherwise). The forward has none: with recompute it keeps no gu.
-ffi::Error CheckGuScratch(const char* target, const MoeDims& d, ffi::DataType dtype,
-                          ffi::AnyBuffer gu, ffi::AnyBuffer gu_shared) {
-  const int64_t gu_rows = d.recompute ? d.R : 0, gu_shared_rows = d.recompute ? d.T : 0;
-  if (auto err = CheckGu(target, "gu_scratch", gu, dtype, gu_rows, 2 * d.I, d.recompute);
-      err.failure())
-    return err;
-  return CheckGu(target, "gu_shared_scratch", gu_shared, dtype, gu_shared_rows, 2 * d.Is,
-                 d.recompute);
-}
-
 }  // namespace
 
 ffi::Error CheckFwdResults(const MoeDims& d, ffi::DataType dtype, const MoeFwdResults& out) {
@@ -179,7 +167,6 @@ ffi::Error CheckBwdArgs(const MoeDims& d, ffi::DataType dtype, ffi::AnyBuffer dy
                    CheckBuffer(target, "h_shared", out.h_shared, dtype, {d.T, d.Is}),
                    CheckBuffer(target, "dx_shared", out.dx_shared, f32,
                                {d.Is > 0 ? d.T : 0, d.H}),
-                   CheckGuScratch(target, d, dtype, out.gu_scratch, out.gu_shared_scratch),
                    CheckBuffer(target, "queue", out.queue, ffi::DataType::S32,
                                {TileQueueInts(d.T, d.k, d.E)})}) {
     if (err.failure()) return err;

@@ -72,16 +72,15 @@ struct MoeBwdResults {
   // w[t, j] * dy[t]; once the weight gradients have read them, dx_routed (R, H) f32 over the
   // whole buffer (4 R H bytes of its 2 b R H).
   ffi::AnyBuffer routed;
-  ffi::AnyBuffer dgu;         // scratch (R, 2I) like x: [dg | du]
+  // [dg | du] over [g | u]: without recompute these alias the residuals gu and gu_shared
+  // (mok_jax.ops.bwd_aliases); with recompute gu and gu_shared are recomputed into them first.
+  ffi::AnyBuffer dgu;         // scratch (R, 2I) like x
   ffi::AnyBuffer dgu_shared;  // scratch (T, 2Is) like x
   ffi::AnyBuffer h;           // scratch (R, I) like x: silu(g) * u from gu
   ffi::AnyBuffer h_shared;    // scratch (T, Is) like x
   ffi::AnyBuffer dx_shared;   // scratch (T, H) f32, (0, H) when Is = 0
-  // With recompute gu is recomputed from x into these instead of read from the residuals.
-  ffi::AnyBuffer gu_scratch;         // scratch (R, 2I) like x; (0, 2I) without recompute
-  ffi::AnyBuffer gu_shared_scratch;  // scratch (T, 2Is) like x; (0, 2Is) without recompute
-  ffi::AnyBuffer queue;              // scratch (TileQueueInts(T, k, E)) s32: tile queues of the
-                                     // backward's GEMM launches
+  ffi::AnyBuffer queue;       // scratch (TileQueueInts(T, k, E)) s32: tile queues of the
+                              // backward's GEMM launches
 };
 
 // mok_jax.ops.routed_rows: every route plus the block_m alignment padding of each expert.
@@ -161,13 +160,11 @@ auto BindMoeBwd(Binding binding) {
       .template Ret<ffi::AnyBuffer>()            // dws_up (H, Is)
       .template Ret<ffi::AnyBuffer>()            // dws_down (Is, H)
       .template Ret<ffi::AnyBuffer>()            // scratch xs, dy_routed (2, R, H); dx_routed
-      .template Ret<ffi::AnyBuffer>()            // scratch dgu (R, 2I)
-      .template Ret<ffi::AnyBuffer>()            // scratch dgu_shared (T, 2Is)
+      .template Ret<ffi::AnyBuffer>()            // scratch dgu (R, 2I), over gu
+      .template Ret<ffi::AnyBuffer>()            // scratch dgu_shared (T, 2Is), over gu_shared
       .template Ret<ffi::AnyBuffer>()            // scratch h (R, I)
       .template Ret<ffi::AnyBuffer>()            // scratch h_shared (T, Is)
       .template Ret<ffi::AnyBuffer>()            // scratch dx_shared (T or 0, H) f32
-      .template Ret<ffi::AnyBuffer>()            // scratch gu (R, 2I); (0, 2I) without recompute
-      .template Ret<ffi::AnyBuffer>()            // scratch gu_shared (T, 2Is); (0, 2Is) without
       .template Ret<ffi::AnyBuffer>()            // scratch queue s32 (TileQueueInts(T, k, E))
       .template Attr<int64_t>("block_m")
       .template Attr<bool>("recompute")

@@ -40,8 +40,8 @@ ffi::Error CheckLayout(const MoeDims& d, const int32_t* experts, const MoeResidu
   return ffi::Error::Success();
 }
 
-// gu and gu_shared into the scratch, by the forward's own GateUp on the same rows: the bits that
-// the forward would have saved.
+// gu and gu_shared into dgu and dgu_shared, by the forward's own GateUp on the same rows: the
+// bits that the forward would have saved.
 template <class S>
 void RecomputeGu(const MoeDims& d, const MoeInputs& in, const int32_t* rows,
                  const MoeBwdResults& out) {
@@ -49,7 +49,7 @@ void RecomputeGu(const MoeDims& d, const MoeInputs& in, const int32_t* rows,
   const S* x = in.x.reinterpret_data<S>();
   const int32_t* experts = in.experts.reinterpret_data<int32_t>();
   const S *wg = in.w_gate.reinterpret_data<S>(), *wu = in.w_up.reinterpret_data<S>();
-  S* gu = out.gu_scratch.reinterpret_data<S>();
+  S* gu = out.dgu.reinterpret_data<S>();
   std::vector<float> g(std::max(I, Is)), u(std::max(I, Is));
   for (int64_t r = 0; r < d.R; ++r) {
     S* gu_row = gu + r * 2 * I;
@@ -62,7 +62,7 @@ void RecomputeGu(const MoeDims& d, const MoeInputs& in, const int32_t* rows,
               u.data());
   }
   const S *wsg = in.ws_gate.reinterpret_data<S>(), *wsu = in.ws_up.reinterpret_data<S>();
-  S* gu_s = out.gu_shared_scratch.reinterpret_data<S>();
+  S* gu_s = out.dgu_shared.reinterpret_data<S>();
   for (int64_t t = 0; t < d.T && Is > 0; ++t)
     GateUp<S>(H, Is, x + t * H, wsg, wsu, gu_s + t * 2 * Is, g.data(), u.data());
 }
@@ -80,7 +80,9 @@ void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
   const int32_t* offsets = res.offsets.reinterpret_data<int32_t>();
   const int32_t* rows = res.rows.reinterpret_data<int32_t>();
   if (d.recompute) RecomputeGu<S>(d, in, rows, out);
-  const S* gu = (d.recompute ? out.gu_scratch : res.gu).reinterpret_data<S>();
+  // dg | du go over g | u, element by element after reading them: in place where gu is dgu
+  // (recompute, or XLA's alias of the residual), else into a buffer of their own.
+  const S* gu = (d.recompute ? out.dgu : res.gu).reinterpret_data<S>();
   const S* y_routed = res.y_routed.reinterpret_data<S>();
   // routed[1] holds dy_r; routed[0] is the GPU's xs, which these loops read from x instead.
   // dx_r (f32) takes the whole buffer once the weight gradients have read dy_r, as on the GPU.
@@ -92,7 +94,6 @@ void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
   // Padding rows hold zeros, so that any reduction over a padded tile sees nothing.
   std::fill(h_rec, h_rec + d.R * I, Store<S>(0.0f));
   std::fill(dy_r, dy_r + d.R * H, Store<S>(0.0f));
-  std::fill(dgu, dgu + d.R * 2 * I, Store<S>(0.0f));
   int32_t* queue = out.queue.reinterpret_data<int32_t>();
   std::fill(queue, queue + out.queue.element_count(), 0);  // the CPU GEMMs need no tile queue
   for (int64_t q = 0; q < T * k; ++q) {
@@ -118,10 +119,13 @@ void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
     std::fill(acc_u.begin(), acc_u.end(), 0.0f);
     // One owner per expert, rows in ascending order: the f32 sums are the same on every run.
     for (int64_t r = offsets[e]; r < offsets[e + 1]; ++r) {
-      if (rows[r] < 0) continue;
+      S* dgu_row = dgu + r * 2 * I;
+      if (rows[r] < 0) {
+        std::fill(dgu_row, dgu_row + 2 * I, Store<S>(0.0f));
+        continue;
+      }
       const S* gu_row = gu + r * 2 * I;
       const S* dyr_row = dy_r + r * H;
-      S* dgu_row = dgu + r * 2 * I;
       for (int64_t i = 0; i < I; ++i) {
         float g = Load(gu_row[i]), u = Load(gu_row[I + i]);
         float dh = 0.0f;
@@ -171,7 +175,7 @@ void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
   // expert is a dense MLP over all T tokens; its weight gradients sum over t in order.
   const S *wsg = in.ws_gate.reinterpret_data<S>(), *wsu = in.ws_up.reinterpret_data<S>(),
           *wsd = in.ws_down.reinterpret_data<S>();
-  const S* gu_s = (d.recompute ? out.gu_shared_scratch : res.gu_shared).reinterpret_data<S>();
+  const S* gu_s = (d.recompute ? out.dgu_shared : res.gu_shared).reinterpret_data<S>();
   S* dgu_s = out.dgu_shared.reinterpret_data<S>();
   S* h_s = out.h_shared.reinterpret_data<S>();
   float* dx_s = out.dx_shared.reinterpret_data<float>();
@@ -232,16 +236,14 @@ ffi::Error MoeBwd(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer experts,
                   ffi::Result<ffi::AnyBuffer> dws_down, ffi::Result<ffi::AnyBuffer> routed,
                   ffi::Result<ffi::AnyBuffer> dgu, ffi::Result<ffi::AnyBuffer> dgu_shared,
                   ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> h_shared,
-                  ffi::Result<ffi::AnyBuffer> dx_shared, ffi::Result<ffi::AnyBuffer> gu_scratch,
-                  ffi::Result<ffi::AnyBuffer> gu_shared_scratch,
+                  ffi::Result<ffi::AnyBuffer> dx_shared,
                   ffi::Result<ffi::AnyBuffer> queue, int64_t block_m, bool recompute,
                   int64_t ranks) {
   MoeInputs in{x, experts, weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down};
   MoeResiduals res{pos, offsets, rows, gu, y_routed, gu_shared};
-  MoeBwdResults out{*dx,     *dweights, *dw_gate, *dw_up,      *dw_down,
-                    *dws_gate, *dws_up, *dws_down, *routed, *dgu,
-                    *dgu_shared, *h,    *h_shared, *dx_shared, *gu_scratch,
-                    *gu_shared_scratch, *queue};
+  MoeBwdResults out{*dx,       *dweights, *dw_gate, *dw_up,  *dw_down,   *dws_gate,
+                    *dws_up,   *dws_down, *routed,  *dgu,    *dgu_shared, *h,
+                    *h_shared, *dx_shared, *queue};
   auto dims = CheckInputs("mok_moe_bwd", in, block_m, recompute, ranks);
   if (dims.has_error()) return dims.error();
   auto dtype = x.element_type();

@@ -23,16 +23,13 @@ ffi::Error MoeBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
                       ffi::Result<ffi::AnyBuffer> routed, ffi::Result<ffi::AnyBuffer> dgu,
                       ffi::Result<ffi::AnyBuffer> dgu_shared, ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> h_shared,
                       ffi::Result<ffi::AnyBuffer> dx_shared,
-                      ffi::Result<ffi::AnyBuffer> gu_scratch,
-                      ffi::Result<ffi::AnyBuffer> gu_shared_scratch,
                       ffi::Result<ffi::AnyBuffer> queue, int64_t block_m, bool recompute,
                       int64_t ranks) {
   MoeInputs in{x, experts, weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down};
   MoeResiduals res{pos, offsets, rows, gu, y_routed, gu_shared};
-  MoeBwdResults out{*dx,     *dweights, *dw_gate, *dw_up,      *dw_down,
-                    *dws_gate, *dws_up, *dws_down, *routed, *dgu,
-                    *dgu_shared, *h,    *h_shared, *dx_shared, *gu_scratch,
-                    *gu_shared_scratch, *queue};
+  MoeBwdResults out{*dx,       *dweights, *dw_gate, *dw_up,  *dw_down,   *dws_gate,
+                    *dws_up,   *dws_down, *routed,  *dgu,    *dgu_shared, *h,
+                    *h_shared, *dx_shared, *queue};
   auto dims = CheckInputs("mok_moe_bwd", in, block_m, recompute, ranks);
   if (dims.has_error()) return dims.error();
   const MoeDims& d = *dims;
@@ -64,8 +61,6 @@ ffi::Error MoeBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
   a.dgu_shared = out.dgu_shared.untyped_data(), a.h_shared = out.h_shared.untyped_data();
   a.dx_shared = out.dx_shared.reinterpret_data<float>();
   a.recompute = d.recompute;
-  a.gu_scratch = out.gu_scratch.untyped_data();
-  a.gu_shared_scratch = out.gu_shared_scratch.untyped_data();
   a.queue = out.queue.reinterpret_data<int32_t>();
   if (const char* err = cuda::LaunchMoeBwd(a, stream))
     return ffi::Error::Internal(std::string("mok_moe_bwd: ") + err);

@@ -202,10 +202,11 @@ def fwd_results(dims: MoeDims, dtype, out_dtype, block_m, recompute=False) -> tu
 
 
 def bwd_results(dims: MoeDims, dtype, block_m, recompute=False) -> tuple:
-  """The results mok_moe_bwd declares: the eight gradients, then scratch."""
+  """The results mok_moe_bwd declares: the eight gradients, then scratch. dgu and dgu_shared
+  are written over gu and gu_shared (`bwd_aliases`), or with recompute over the gu recomputed
+  into them."""
   T, H, I, E, k, Is = dims
   R = routed_rows(T * k, E, block_m)
-  Rg, Tg = (R, T) if recompute else (0, 0)  # rows of gu and gu_shared recomputed here
   sds = jax.ShapeDtypeStruct
   return (
       sds((T, H), dtype),  # dx
@@ -220,15 +221,30 @@ def bwd_results(dims: MoeDims, dtype, block_m, recompute=False) -> tuple:
       # weight gradients have read both, dx of each routed row (f32, summed per token in j
       # order) over the whole buffer
       sds((2, R, H), dtype),
-      sds((R, 2 * I), dtype),  # scratch: [dg | du] of each routed row
-      sds((T, 2 * Is), dtype),  # scratch: [dg | du] of the shared expert
+      sds((R, 2 * I), dtype),  # scratch: [dg | du] of each routed row, over gu
+      sds((T, 2 * Is), dtype),  # scratch: [dg | du] of the shared expert, over gu_shared
       sds((R, I), dtype),  # scratch: h = silu(g) * u, recomputed from gu
       sds((T, Is), dtype),  # scratch: h of the shared expert
       sds((T if Is else 0, H), jnp.float32),  # scratch: dx of the shared expert
-      sds((Rg, 2 * I), dtype),  # scratch: gu recomputed from x (recompute)
-      sds((Tg, 2 * Is), dtype),  # scratch: gu_shared recomputed from x
       sds((_mok_cpu.tile_queue_ints(T, k, E),), jnp.int32),  # scratch: tile queues of the GEMMs
   )
+
+
+# mok_moe_bwd's operands gu and gu_shared (after dy and the nine inputs of the forward and pos,
+# offsets, rows) and its results dgu and dgu_shared (after the eight gradients and `routed`).
+_BWD_GU_OPERANDS = (13, 15)
+_BWD_DGU_RESULTS = (9, 10)
+
+
+def bwd_aliases(dims: MoeDims, recompute=False) -> dict:
+  """mok_moe_bwd's `input_output_aliases`: without recompute, dgu takes gu's buffer and
+  dgu_shared gu_shared's (each SwiGLU backward tile reads its g and u before it writes dg and
+  du there). Under jit, where the residuals die with the backward, XLA gives the backward
+  those buffers; where one is still needed after it, XLA copies it first."""
+  if recompute:
+    return {}
+  pairs = zip(_BWD_GU_OPERANDS, _BWD_DGU_RESULTS)
+  return {op: res for (op, res), used in zip(pairs, (True, dims.Is > 0)) if used}
 
 
 class Footprint(NamedTuple):
@@ -247,10 +263,11 @@ def footprint(dims: MoeDims, dtype, block_m=Config.block_m, recompute=False) -> 
     residuals   = 4 (T k + E + 1 + R) + b R H + (1 - C) G
     fwd scratch = b (R H + R I + T Is + S T H) + 4 (ceil(T k / 1024) E + Q),
                   Q = 8 + ceil((T k + 127 E) / 64) + ceil(T / 128) (the tile queue)
-    bwd scratch = b (2 R H + 2 R I + 2 T Is + R I + T Is) + 4 (S T H + Q) + C G
+    bwd scratch = b (2 R H + R I + T Is) + 4 (S T H + Q) + C G
 
   The backward's f32 dx of each routed row (4 R H) takes the buffer of its xs and dy_routed (2
-  b R H >= 4 R H) once the weight gradients have read those.
+  b R H >= 4 R H) once the weight gradients have read those, and its dgu (G) the buffer of gu:
+  the residual's, or with recompute the one it recomputes gu into.
 
   Recompute moves G from the residuals, held from the forward until the backward, into the
   backward's scratch, which that call frees; the forward then does not write gu at all. The
@@ -267,8 +284,7 @@ def footprint(dims: MoeDims, dtype, block_m=Config.block_m, recompute=False) -> 
   return Footprint(
       residuals=4 * (T * k + E + 1 + R) + b * R * H + (1 - C) * G,
       fwd_scratch=b * (R * H + R * I + T * Is + S * T * H) + 4 * (chunks * E + Q),
-      bwd_scratch=b * (2 * R * H + 2 * R * I + 2 * T * Is + R * I + T * Is)
-      + 4 * (S * T * H + Q) + C * G,
+      bwd_scratch=b * (2 * R * H + R * I + T * Is) + 4 * (S * T * H + Q) + C * G,
   )
 
 
@@ -335,7 +351,8 @@ def moe_bwd(dy, x, experts, weights, w_gate, w_up, w_down, shared, residuals: Re
   residuals = [jnp.zeros(spec.shape, spec.dtype) if got is None else got
                for spec, got in zip(want, residuals)]
   results = bwd_results(dims, x.dtype, block_m, recompute)
-  call = jax.ffi.ffi_call("mok_moe_bwd", results, vmap_method="sequential")
+  call = jax.ffi.ffi_call("mok_moe_bwd", results, vmap_method="sequential",
+                          input_output_aliases=bwd_aliases(dims, recompute))
   dx, dweights, dw_gate, dw_up, dw_down, *dshared = call(
       dy, x, experts, weights, w_gate, w_up, w_down, *_shared_or_empty(shared, H, x.dtype),
       *residuals, block_m=np.int64(block_m), recompute=bool(recompute),

@@ -6,6 +6,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from typing import NamedTuple
@@ -115,6 +116,44 @@ def loss_and_grads(case: Case, backend, config=None, jit=True):
     f = jax.jit(f)
   (_, y), g = f(*case.params())
   return np.asarray(y), {name: np.asarray(v) for name, v in named_grads(case, g).items()}
+
+
+def bwd_operand_producers(case: Case, backend, config=None) -> tuple[str, dict]:
+  """What XLA compiled of grad_fn's mok_moe_bwd call: its output_to_operand_aliasing, and for
+  each operand that ops.bwd_aliases names, the opcode of the instruction producing it (a
+  `copy` there means XLA copied the residual rather than hand the backward its buffer)."""
+  params = case.params()
+  hlo = jax.jit(grad_fn(case, backend, config)).lower(*params).compile().as_text()
+  call = next(line for line in hlo.splitlines() if 'custom_call_target="mok_moe_bwd"' in line)
+  operands = re.search(r"custom-call\(([^)]*)\)", call).group(1)
+  names = [re.sub(r"/\*.*?\*/", "", o).strip() for o in operands.split(",")]
+  aliasing = re.search(r"output_to_operand_aliasing=\{(.*?)\}, ", call)
+  producers = {}
+  for op in ops.bwd_aliases(ops.MoeDims(*_dims(case)), (config or mok_jax.Config()).recompute):
+    name = names[op].split()[-1]
+    line = next(l for l in hlo.splitlines() if l.strip().startswith(f"{name} = ") or
+                l.strip().startswith(f"ROOT {name} = "))
+    producers[op] = re.search(r"\} ([a-z-]+)\(", line.split(" = ", 1)[1]).group(1)
+  return (aliasing.group(1) if aliasing else ""), producers
+
+
+def check_dgu_takes_gu(backend):
+  """Under jit, mok_moe_bwd writes dgu over the forward's gu (and dgu_shared over gu_shared)
+  with no copy between them; with recompute it aliases nothing (gu is recomputed into dgu)."""
+  for Is in (None, 8):
+    case = make_case(T=40, H=64, I=64, E=4, k=2, Is=Is, dtype=BF16)
+    aliasing, producers = bwd_operand_producers(case, backend)
+    want = "{9}: (13, {})" + (", {10}: (15, {})" if Is else "")
+    assert aliasing == want, (Is, aliasing)
+    assert producers == {op: "get-tuple-element" for op in ((13, 15) if Is else (13,))}, (
+        Is, producers)
+    assert bwd_operand_producers(case, backend, mok_jax.Config(recompute=True)) == ("", {})
+
+
+def _dims(case: Case):
+  T, H = case.x.shape
+  E, _, I = case.w_gate.shape
+  return T, H, I, E, case.experts.shape[1], 0 if case.shared is None else case.shared[0].shape[1]
 
 
 def mesh_of(*shape, names=("ep",)):

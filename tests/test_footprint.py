@@ -33,7 +33,27 @@ def test_formula_matches_declared_results(dims, dtype, block_m, recompute):
   got = ops.footprint(dims, dtype, block_m, recompute)
   assert got.residuals == nbytes(fwd[1:1 + n_res])
   assert got.fwd_scratch == nbytes(fwd[1 + n_res:])
-  assert got.bwd_scratch == nbytes(bwd[8:])
+  aliased = set(ops.bwd_aliases(dims, recompute).values())  # results over an operand's buffer
+  assert got.bwd_scratch == nbytes(s for i, s in enumerate(bwd) if i >= 8 and i not in aliased)
+
+
+@pytest.mark.parametrize("dims", SHAPES)
+@pytest.mark.parametrize("recompute", [False, True], ids=["save", "recompute"])
+def test_bwd_aliases_pair_like_buffers(dims, recompute):
+  """Each alias joins mok_moe_bwd's gu operand to its dgu result (gu_shared to dgu_shared with a
+  shared expert), of one shape and dtype: nothing else, and nothing with recompute."""
+  dims = ops.MoeDims(*dims)
+  block_m = Config().block_m
+  res = ops.fwd_results(dims, jnp.bfloat16, jnp.bfloat16, block_m, recompute)[1:7]
+  operands = [None] * 10 + list(res)  # dy and the forward's nine inputs, then the residuals
+  results = ops.bwd_results(dims, jnp.bfloat16, block_m, recompute)
+  aliases = ops.bwd_aliases(dims, recompute)
+  want = {} if recompute else {13: 9, **({15: 10} if dims.Is else {})}
+  assert aliases == want
+  fields = ops.Residuals._fields
+  for op, out in aliases.items():
+    assert fields[op - 10] in ("gu", "gu_shared")
+    assert operands[op].shape == results[out].shape and operands[op].dtype == results[out].dtype
 
 
 @pytest.mark.parametrize("dims", SHAPES)
@@ -49,6 +69,7 @@ def test_recompute_moves_gu_out_of_the_residuals(dims):
   recompute = ops.footprint(dims, jnp.bfloat16, recompute=True)
   assert save.residuals - recompute.residuals == gu
   assert recompute.fwd_scratch == save.fwd_scratch
+  # dgu takes gu's buffer in both: the residual's, or the recomputed gu's, which is scratch.
   assert recompute.bwd_scratch - save.bwd_scratch == gu
   n_res = len(ops.Residuals._fields)
   fwd = ops.fwd_results(dims, jnp.bfloat16, jnp.bfloat16, Config().block_m, recompute=True)

@@ -183,7 +183,10 @@ __device__ __forceinline__ void StageAndStore(const GemmParams& p, const GemmTil
 // loads issued two passes ahead; each thread computes at its accumulator positions from shared
 // memory, writes dg and du over the g and u it read and h beside them; then all three leave with
 // coalesced 16-byte stores. Shared-memory accesses are volatile asm, kept in program order: each
-// step issues all of its loads before it uses any, so that their latencies overlap.
+// step issues all of its loads before it uses any, so that their latencies overlap. dgu may be
+// gu itself (mok_jax.ops.bwd_aliases): a thread reads each 16-byte chunk of g and u before it
+// writes dg or du there, and no other thread reads that chunk, so no load (the read-only path's
+// included) sees a chunk after its store.
 //
 // NOTES: done from registers, with 4-byte loads and stores at the accumulator positions, this
 // epilogue took twice the mainloop's time on qwen3_30b (ncu: 28% SM throughput, 70% of the

@@ -2,7 +2,7 @@
 //
 //   gu, h = SwiGLU(xs @ [w_gate | w_up]) (recompute only)  LaunchExpertMlps, as the forward
 //   dy_r = w * dy (gathered), dweights = <dy, y_routed>    ScaleGatherKernel
-//   dgu, h = SwiGLU'(dy_r @ w_down^T)                      BwdDown
+//   dgu, h = SwiGLU'(dy_r @ w_down^T)                      BwdDown, dgu over gu
 //   dw_down = h^T @ dy_r, [dw_gate | dw_up] = xs^T @ dgu   BwdWeights, one CTA per
 //                                                          weight-gradient tile
 //   dx_r = dgu @ [w_gate | w_up]^T  (f32)                  BwdGateUp, over xs and dy_r
@@ -126,16 +126,16 @@ const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
       static_cast<const uint4*>(a.x), a.pos, a.rows, a.offsets, a.T, k, a.block_m, H / 8,
       static_cast<uint4*>(a.xs), a.queue, TileQueueInts(a.T, a.k, a.E));
   // Recompute: the forward's gate|up launches on the same rows (xs gathered as the forward
-  // gathers it, x for the shared expert), hence the bits it would have saved. h is written too
-  // and rewritten by BwdDown below.
-  const void* gu = a.recompute ? a.gu_scratch : a.gu;
-  const void* gu_shared = a.recompute ? a.gu_shared_scratch : a.gu_shared;
+  // gathers it, x for the shared expert), hence the bits it would have saved, into dgu, which
+  // BwdDown then rewrites in place. h is written too and rewritten by BwdDown below.
+  const void* gu = a.recompute ? a.dgu : a.gu;
+  const void* gu_shared = a.recompute ? a.dgu_shared : a.gu_shared;
   if (a.recompute) {
     const sm90::ExpertMlp mlps[2] = {
         {a.xs, a.w_gate, a.w_up, a.w_down, a.offsets, a.rows, a.block_m, E, a.R, a.H, a.I,
-         a.gu_scratch, a.h, nullptr, -1, expected},
+         a.dgu, a.h, nullptr, -1, expected},
         {a.x, a.ws_gate, a.ws_up, a.ws_down, nullptr, nullptr, 128, 1, a.T, a.H, a.Is,
-         a.gu_shared_scratch, a.h_shared, nullptr, -1, a.T}};
+         a.dgu_shared, a.h_shared, nullptr, -1, a.T}};
     if (auto err = sm90::LaunchExpertMlps(mlps, mlp_count, true, false, a.queue + 0, ready,
                                           stream))
       return err;
