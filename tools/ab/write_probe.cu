@@ -1,0 +1,306 @@
+// A probe of how fast this GPU writes a buffer the size of dsv3's weight gradients (22.5 GB of
+// bf16) through HBM, alone: a plain stream of 16-byte stores; the same bytes written as the
+// weight gradients write them, 128 x 256 bf16 tiles (512-byte row pieces, a warp a piece) in
+// three orders of the tiles; those tiles by TMA stores from shared memory as the weight
+// gradients store them (a 128-thread CTA stages a 64-row half tile, 32 KB, one thread stores it
+// in boxes of 32, 64 or 256 columns, and the slab is written again once the stores have read
+// it), with one or two slabs a CTA and one to four CTAs an SM; and a device-to-device copy of
+// half the bytes for a read-and-write stream. It says what the weight gradients' stores could
+// take at best, and what their store path costs against plain stores (docs/performance.md,
+// What bounds dsv3).
+//
+// Build (here or on the device): nvcc -std=c++17 -arch=sm_90a -O3 -Icuda/sm90 -o
+//   runs/probe/write_probe tools/ab/write_probe.cu cuda/sm90/tensor_map.cc; run:
+//   runs/probe/write_probe [COLS] [GB] (default 7168, 22.5).
+// Each figure is the median of REPS (default 15) launches, each after a launch of the same.
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+
+#include "ptx.cuh"
+#include "tensor_map.h"
+
+namespace {
+
+constexpr int kTileRows = 128, kTileCols = 256;  // bf16: a row piece is 512 bytes, 32 uint4
+constexpr int kThreads = 128;                    // a warpgroup a tile, as the weight gradients
+
+enum Order { kAlongRows, kAlongColumns, kRunsOfEight };
+
+__global__ void StreamKernel(uint4* out, int64_t n, uint32_t seed) {
+  const uint4 v = make_uint4(seed, seed + 1, seed + 2, seed + 3);
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x)
+    out[i] = v;
+}
+
+// Tile t of the (rows, cols) buffer, persistent CTAs taking t = blockIdx.x, + gridDim.x, ...:
+// along rows, consecutive tiles are neighbours in a row band (consecutive CTAs write adjacent
+// 512-byte pieces of the same rows); along columns, they go down one column of tiles; runs of
+// eight take eight row tiles of one column tile, runs going along the row band (the weight
+// gradients' order where experts are small: wgrad runs).
+__global__ void TileKernel(uint4* out, int64_t row_tiles, int col_tiles, int64_t cols,
+                           Order order, uint32_t seed) {
+  const uint4 v = make_uint4(seed, seed + 1, seed + 2, seed + 3);
+  const int64_t tiles = row_tiles * col_tiles;
+  const int64_t pitch = cols / 8;  // uint4 a row
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    int64_t rt, ct;
+    if (order == kAlongRows) {
+      rt = t / col_tiles, ct = t % col_tiles;
+    } else if (order == kAlongColumns) {
+      rt = t % row_tiles, ct = t / row_tiles;
+    } else {
+      const int64_t run = t / 8, band = run / col_tiles;
+      ct = run % col_tiles, rt = band * 8 + t % 8;
+      if (rt >= row_tiles) continue;
+    }
+    uint4* base = out + rt * kTileRows * pitch + ct * (kTileCols / 8);
+#pragma unroll 4
+    for (int r = warp; r < kTileRows; r += kThreads / 32) base[r * pitch + lane] = v;
+  }
+}
+
+// The tiles along the row band again, each half tile (64 rows, 32 KB) staged by the CTA's 128
+// threads into one of kSlabs slabs and stored by thread 0 in (kBoxCols, 64) boxes, one bulk group
+// a half tile; a slab is staged again once the group that read it last is done reading.
+template <int kBoxCols, int kSlabs>
+__global__ void __launch_bounds__(kThreads)
+    TmaTileKernel(const __grid_constant__ CUtensorMap map, int64_t row_tiles, int col_tiles,
+                  uint32_t seed) {
+  extern __shared__ __align__(1024) uint4 slabs[];
+  constexpr int kHalfRows = kTileRows / 2, kSlabUint4 = kHalfRows * kTileCols / 8;
+  const int64_t tiles = row_tiles * col_tiles;
+  const uint4 v = make_uint4(seed, seed + 1, seed + 2, seed + 3);
+  int half = 0;
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int64_t rt = t / col_tiles, ct = t % col_tiles;
+    for (int h = 0; h < 2; ++h, ++half) {
+      const int slab = half % kSlabs;
+      if (threadIdx.x == 0) mok::sm90::BulkWaitRead<kSlabs - 1>();
+      __syncthreads();
+      uint4* s = slabs + slab * kSlabUint4;
+      for (int i = threadIdx.x; i < kSlabUint4; i += kThreads) s[i] = v;
+      mok::sm90::FenceProxyAsyncShared();
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(s));
+        for (int c = 0; c < kTileCols; c += kBoxCols)
+          mok::sm90::TmaStore2d(&map, base + c * kHalfRows * 2,
+                                static_cast<int32_t>(ct * kTileCols + c),
+                                static_cast<int32_t>(rt * kTileRows + h * kHalfRows));
+        mok::sm90::BulkCommitGroup();
+      }
+    }
+  }
+  if (threadIdx.x == 0) mok::sm90::BulkWaitAll();
+}
+
+// The same half tiles in two (128 columns, 64 rows) boxes of a 4D view of the buffer, (64
+// columns of a panel, 8 rows, 2 panels, 8 row groups), whose shared-memory rows lie 128 bytes
+// apart in the 128-byte swizzle: each 8 x 8 matrix of stmatrix would meet 32 banks, where the
+// (128, 64) boxes' 256-byte rows meet 16. The global writes go 8 rows of one panel, then of the
+// next: whether HBM takes them at the rate of (128, 64) boxes is what this measures.
+__device__ __forceinline__ void TmaStore4d(const CUtensorMap* map, uint32_t src, int32_t c0,
+                                           int32_t c1, int32_t c2, int32_t c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];" ::"l"(
+          reinterpret_cast<uint64_t>(map)),
+      "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+
+__global__ void __launch_bounds__(kThreads)
+    Tma4dTileKernel(const __grid_constant__ CUtensorMap map, int64_t row_tiles, int col_tiles,
+                    uint32_t seed) {
+  extern __shared__ __align__(1024) uint4 slabs[];
+  constexpr int kHalfRows = kTileRows / 2, kSlabUint4 = kHalfRows * kTileCols / 8;
+  const int64_t tiles = row_tiles * col_tiles;
+  const uint4 v = make_uint4(seed, seed + 1, seed + 2, seed + 3);
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int64_t rt = t / col_tiles, ct = t % col_tiles;
+    for (int h = 0; h < 2; ++h) {
+      if (threadIdx.x == 0) mok::sm90::BulkWaitRead<0>();
+      __syncthreads();
+      for (int i = threadIdx.x; i < kSlabUint4; i += kThreads) slabs[i] = v;
+      mok::sm90::FenceProxyAsyncShared();
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(slabs));
+        const int32_t group = static_cast<int32_t>((rt * kTileRows + h * kHalfRows) / 8);
+        for (int b = 0; b < 2; ++b)
+          TmaStore4d(&map, base + b * kHalfRows * 128 * 2, 0, 0,
+                     static_cast<int32_t>(ct * 4 + 2 * b), group);
+        mok::sm90::BulkCommitGroup();
+      }
+    }
+  }
+  if (threadIdx.x == 0) mok::sm90::BulkWaitAll();
+}
+
+bool Make4dMap(CUtensorMap* map, void* base, int64_t cols, int64_t rows) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult status;
+  if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                       &status) != cudaSuccess ||
+      status != cudaDriverEntryPointSuccess)
+    return false;
+  auto encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  cuuint64_t dims[4] = {64, 8, static_cast<cuuint64_t>(cols / 64),
+                        static_cast<cuuint64_t>(rows / 8)};
+  cuuint64_t strides[3] = {static_cast<cuuint64_t>(cols * 2), 128,
+                           static_cast<cuuint64_t>(cols * 2 * 8)};
+  cuuint32_t box[4] = {64, 8, 2, 8}, element_strides[4] = {1, 1, 1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, base, dims, strides, box,
+                element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+float Median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+#define CHECK(x)                                                                   \
+  do {                                                                             \
+    cudaError_t e = (x);                                                           \
+    if (e != cudaSuccess) {                                                        \
+      std::fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e));                 \
+      std::exit(1);                                                                \
+    }                                                                              \
+  } while (0)
+
+template <class Launch>
+float TimeMs(Launch launch, int reps) {
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  std::vector<float> ms;
+  for (int i = 0; i < reps; ++i) {
+    launch(2 * i);  // the one before, so that each timed launch follows a busy GPU
+    CHECK(cudaEventRecord(a));
+    launch(2 * i + 1);
+    CHECK(cudaEventRecord(b));
+    CHECK(cudaEventSynchronize(b));
+    float t;
+    CHECK(cudaEventElapsedTime(&t, a, b));
+    ms.push_back(t);
+  }
+  CHECK(cudaGetLastError());
+  return Median(ms);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int64_t cols = argc > 1 ? std::atoll(argv[1]) : 7168;
+  const double gb = argc > 2 ? std::atof(argv[2]) : 22.5;
+  const int reps = std::getenv("REPS") ? std::atoi(std::getenv("REPS")) : 15;
+  if (cols % kTileCols) {
+    std::fprintf(stderr, "COLS must be a multiple of %d\n", kTileCols);
+    return 1;
+  }
+  const int64_t row_tiles = static_cast<int64_t>(gb * 1e9 / 2 / cols / kTileRows);
+  const int64_t rows = row_tiles * kTileRows;
+  const int64_t bytes = rows * cols * 2;
+  int sms;
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  uint4* buf;
+  CHECK(cudaMalloc(&buf, bytes));
+  std::printf("write_probe: %lld x %lld bf16 (%.2f GB), %d SMs, median of %d launches\n",
+              static_cast<long long>(rows), static_cast<long long>(cols), bytes / 1e9, sms, reps);
+  auto report = [&](const char* what, float ms, double moved) {
+    std::printf("  %-70s %8.3f ms  %6.2f TB/s\n", what, ms, moved / ms / 1e9);
+  };
+  const int64_t n16 = bytes / 16;
+  for (int per_sm : {4, 16}) {
+    const float ms = TimeMs([&](int i) {
+      StreamKernel<<<sms * per_sm, 256, 0>>>(buf, n16, i);
+    }, reps);
+    char what[64];
+    std::snprintf(what, sizeof what, "stream, 16-byte stores, %d CTAs an SM", per_sm);
+    report(what, ms, bytes);
+  }
+  const int col_tiles = static_cast<int>(cols / kTileCols);
+  const struct { Order order; const char* name; } orders[] = {
+      {kAlongRows, "tiles along the row band"},
+      {kAlongColumns, "tiles down the columns"},
+      {kRunsOfEight, "runs of eight row tiles, along the band"}};
+  for (int per_sm : {2, 4}) {
+    for (const auto& o : orders) {
+      const float ms = TimeMs([&](int i) {
+        TileKernel<<<sms * per_sm, kThreads, 0>>>(buf, row_tiles, col_tiles, cols, o.order, i);
+      }, reps);
+      char what[96];
+      std::snprintf(what, sizeof what, "%s, %d tiles at once an SM", o.name, per_sm);
+      report(what, ms, bytes);
+    }
+  }
+  auto swizzle_name = [](CUtensorMapSwizzle s) {
+    return s == CU_TENSOR_MAP_SWIZZLE_64B ? "64B" : s == CU_TENSOR_MAP_SWIZZLE_128B ? "128B"
+                                                                                  : "none";
+  };
+  auto tma = [&](auto kernel, int box_cols, int slabs, CUtensorMapSwizzle swizzle) {
+    CUtensorMap map;
+    if (!mok::sm90::MakeTensorMap(&map, buf, cols, rows, box_cols, 64, swizzle)) {
+      std::fprintf(stderr, "no tensor map for boxes of %d columns\n", box_cols);
+      std::exit(1);
+    }
+    const int smem = slabs * kTileRows / 2 * kTileCols * 2;
+    CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    for (int per_sm : {1, 2, 4}) {
+      if (per_sm * (smem + 1024) > 227 * 1024) continue;
+      const float ms = TimeMs([&](int i) {
+        kernel<<<sms * per_sm, kThreads, smem>>>(map, row_tiles, col_tiles, i);
+      }, reps);
+      char what[96];
+      std::snprintf(what, sizeof what, "TMA, (%d, 64) boxes, swizzle %s, %d slab(s), %d CTAs an SM",
+                    box_cols, swizzle_name(swizzle), slabs, per_sm);
+      report(what, ms, bytes);
+    }
+  };
+  // Swizzles a box width allows (a box row must fit in the swizzle's span; a 64-byte row in
+  // the 128-byte swizzle would take 128 bytes of shared memory, more than the slab).
+  tma(TmaTileKernel<32, 1>, 32, 1, CU_TENSOR_MAP_SWIZZLE_64B);  // the weight gradients' boxes
+  tma(TmaTileKernel<32, 2>, 32, 2, CU_TENSOR_MAP_SWIZZLE_64B);
+  tma(TmaTileKernel<32, 1>, 32, 1, CU_TENSOR_MAP_SWIZZLE_NONE);
+  tma(TmaTileKernel<64, 1>, 64, 1, CU_TENSOR_MAP_SWIZZLE_128B);
+  tma(TmaTileKernel<64, 2>, 64, 2, CU_TENSOR_MAP_SWIZZLE_128B);
+  tma(TmaTileKernel<64, 1>, 64, 1, CU_TENSOR_MAP_SWIZZLE_NONE);
+  tma(TmaTileKernel<128, 1>, 128, 1, CU_TENSOR_MAP_SWIZZLE_NONE);
+  tma(TmaTileKernel<256, 1>, 256, 1, CU_TENSOR_MAP_SWIZZLE_NONE);
+  tma(TmaTileKernel<256, 2>, 256, 2, CU_TENSOR_MAP_SWIZZLE_NONE);
+  {
+    CUtensorMap map;
+    if (!Make4dMap(&map, buf, cols, rows)) {
+      std::fprintf(stderr, "no 4D tensor map\n");
+      return 1;
+    }
+    const int smem = kTileRows / 2 * kTileCols * 2;
+    CHECK(cudaFuncSetAttribute(Tma4dTileKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               smem));
+    for (int per_sm : {1, 2, 4}) {
+      const float ms = TimeMs([&](int i) {
+        Tma4dTileKernel<<<sms * per_sm, kThreads, smem>>>(map, row_tiles, col_tiles, i);
+      }, reps);
+      char what[96];
+      std::snprintf(what, sizeof what, "TMA, 4D (64, 8, 2, 8) boxes, swizzle 128B, %d CTAs an SM",
+                    per_sm);
+      report(what, ms, bytes);
+    }
+  }
+  const int64_t half = bytes / 2;
+  const float ms = TimeMs([&](int) {
+    CHECK(cudaMemcpyAsync(reinterpret_cast<char*>(buf) + half, buf, half,
+                          cudaMemcpyDeviceToDevice));
+  }, reps);
+  report("copy of half (read + write, both counted)", ms, bytes);
+  CHECK(cudaFree(buf));
+  return 0;
+}
