@@ -103,8 +103,16 @@ struct GemmKind {
   // NOTES: H200, 2026-11-30, 64 -> 32 deep, alternating in one process: the weight-gradient
   // launch took gptoss_120b 4.13 -> 3.72 ms, dsv3 9.37 -> 8.30, mixtral 9.78 -> 9.54, qwen3_30b
   // 1.94 -> 1.93.
-  static constexpr int kBlockK = kTmaStore ? 32 : 64;
-  static constexpr int kStages = kTmaStore ? 6 : 4;
+  //
+  // The runs (kRuns) keep B in its stages and load only A, whose k-steps reach a CTA at about
+  // 16 KB a microsecond however deep they are (globaltimer marks, dsv3, H200, 2026-12-02): there
+  // 64-deep steps, three stages of them, halve the loads and barrier rounds a tile. dsv3's
+  // launch back to back 8.73-8.98 -> 8.48 ms, its forward+backward 24.03, 24.09 -> 23.53, 23.51
+  // ms a call (tools/ab, two rounds, same bits; docs/performance.md, The weight gradients in
+  // runs). Loading a last k-step of at most 32 rows as one 32-deep box a panel, so that no
+  // padding rows are loaded, was slower (9.07 against 8.25-8.42): more TMA boxes a tile.
+  static constexpr int kBlockK = kTmaStore && !kRuns_ ? 32 : 64;
+  static constexpr int kStages = kTmaStore ? (kRuns_ ? 3 : 6) : 4;
   static_assert(kBlockK == 64 || (!kKMajorA && !kKMajorB),
                 "K-major stages are 128-byte swizzled rows: 64 deep");
   static constexpr uint32_t kStageBytes =

@@ -76,11 +76,13 @@ const char* DataGradChains(const MlpGrads* mlps, int count, ChainParams* down_ch
 // The weight gradients of the MLPs as one chain, one CTA per output tile over the whole
 // ragged reduction: dw_down_g = h_g^T @ dy_r_g (I, H) (slots 0, 1) and [dw_gate_g |
 // dw_up_g] = x_rows_g^T @ [dg_g | du_g] (H, 2I, split at I) (slots 2, 3). Each group's
-// reduction stops at its last used row (rounded up to the weight gradients' kBlockK, 32): the
-// padding rows are zero.
+// reduction stops at its last used row (rounded up to the Kind's kBlockK: 32, or 64 in runs):
+// the padding rows are zero. `Kind` (BwdWeights or BwdWeightRuns) sets the depth of the
+// operands' boxes, so the maps must be those of the kernel launched.
 //
 // NOTES: with block_m = 128, a group's padded rows were 25% (gptoss_120b, 256 routes an expert
 // on average) to 47% (dsv3, 128) more than its routes, all of them multiplied as k-steps.
+template <class Kind>
 const char* WeightGradChain(const MlpGrads* mlps, int count, ChainParams* chain) {
   ChainParams& c = *chain;
   c = sm90::EmptyChain();
@@ -91,14 +93,14 @@ const char* WeightGradChain(const MlpGrads* mlps, int count, ChainParams* chain)
     down = sm90::RowGroups(g.offsets, g.block_m, g.groups, g.m, g.m_expected);
     down.m = I, down.n = H, down.n_split = H;
     down.out0 = g.dw_down, down.out1 = g.dw_down, down.row_tokens = g.row_tokens;
-    if (auto err = sm90::PrepareGemm<sm90::BwdWeights>(down, {g.h, I, g.m}, {g.dy_r, H, g.m},
+    if (auto err = sm90::PrepareGemm<Kind>(down, {g.h, I, g.m}, {g.dy_r, H, g.m},
                                                        {}))
       return err;
     GemmParams& up = c.gemm[2 + j];
     up = sm90::RowGroups(g.offsets, g.block_m, g.groups, g.m, g.m_expected);
     up.m = H, up.n = 2 * I, up.n_split = I;
     up.out0 = g.dw_gate, up.out1 = g.dw_up, up.row_tokens = g.row_tokens;
-    if (auto err = sm90::PrepareGemm<sm90::BwdWeights>(up, {g.x_rows, H, g.m},
+    if (auto err = sm90::PrepareGemm<Kind>(up, {g.x_rows, H, g.m},
                                                        {g.dgu, 2 * g.I, g.m}, {}))
       return err;
   }
@@ -161,9 +163,12 @@ const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
   // xs and dy_r (2 R H bf16), which the weight gradients read: 4 R H bytes fewer a call.
   ChainParams down, dx, weights;
   if (auto err = DataGradChains(mlps, mlp_count, &down, &dx)) return err;
-  if (auto err = WeightGradChain(mlps, mlp_count, &weights)) return err;
+  const int run_tiles = sm90::WeightGradRunTiles(CeilDiv(routes, a.ranks), a.E);
+  if (auto err = run_tiles > 1 ? WeightGradChain<sm90::BwdWeightRuns>(mlps, mlp_count, &weights)
+                               : WeightGradChain<sm90::BwdWeights>(mlps, mlp_count, &weights))
+    return err;
   down.queue = a.queue + 1, dx.queue = a.queue + 3, weights.queue = a.queue + 2;
-  weights.run_tiles = sm90::WeightGradRunTiles(CeilDiv(routes, a.ranks), a.E);
+  weights.run_tiles = run_tiles;
   if (auto err = sm90::LaunchQueued<sm90::BwdDown, sm90::BwdDown>(down, stream)) return err;
   if (weights.run_tiles > 1) {
     if (auto err = sm90::LaunchQueued<sm90::BwdWeightRuns, sm90::BwdWeightRuns>(weights, stream))
