@@ -93,15 +93,13 @@ const char* WeightGradChain(const MlpGrads* mlps, int count, ChainParams* chain)
     down = sm90::RowGroups(g.offsets, g.block_m, g.groups, g.m, g.m_expected);
     down.m = I, down.n = H, down.n_split = H;
     down.out0 = g.dw_down, down.out1 = g.dw_down, down.row_tokens = g.row_tokens;
-    if (auto err = sm90::PrepareGemm<Kind>(down, {g.h, I, g.m}, {g.dy_r, H, g.m},
-                                                       {}))
+    if (auto err = sm90::PrepareGemm<Kind>(down, {g.h, I, g.m}, {g.dy_r, H, g.m}, {}))
       return err;
     GemmParams& up = c.gemm[2 + j];
     up = sm90::RowGroups(g.offsets, g.block_m, g.groups, g.m, g.m_expected);
     up.m = H, up.n = 2 * I, up.n_split = I;
     up.out0 = g.dw_gate, up.out1 = g.dw_up, up.row_tokens = g.row_tokens;
-    if (auto err = sm90::PrepareGemm<Kind>(up, {g.x_rows, H, g.m},
-                                                       {g.dgu, 2 * g.I, g.m}, {}))
+    if (auto err = sm90::PrepareGemm<Kind>(up, {g.x_rows, H, g.m}, {g.dgu, 2 * g.I, g.m}, {}))
       return err;
   }
   return nullptr;
