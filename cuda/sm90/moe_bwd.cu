@@ -77,15 +77,15 @@ const char* DataGradChains(const MlpGrads* mlps, int count, ChainParams* down_ch
 // ragged reduction: dw_down_g = h_g^T @ dy_r_g (I, H) (slots 0, 1) and [dw_gate_g |
 // dw_up_g] = x_rows_g^T @ [dg_g | du_g] (H, 2I, split at I) (slots 2, 3). Each group's
 // reduction stops at its last used row (rounded up to the Kind's kBlockK: 32, or 64 in runs):
-// the padding rows are zero. `Kind` (BwdWeights or BwdWeightRuns) sets the depth of the
-// operands' boxes, so the maps must be those of the kernel launched.
+// the padding rows are zero. Launched as `Kind` (BwdWeights, or BwdWeightRuns for run_tiles >
+// 1), whose depth of k-steps the operands' tensor maps take, on the tile queue `queue`.
 //
 // NOTES: with block_m = 128, a group's padded rows were 25% (gptoss_120b, 256 routes an expert
 // on average) to 47% (dsv3, 128) more than its routes, all of them multiplied as k-steps.
 template <class Kind>
-const char* WeightGradChain(const MlpGrads* mlps, int count, ChainParams* chain) {
-  ChainParams& c = *chain;
-  c = sm90::EmptyChain();
+const char* LaunchWeightGrads(const MlpGrads* mlps, int count, int run_tiles, int32_t* queue,
+                              cudaStream_t stream) {
+  ChainParams c = sm90::EmptyChain();
   for (int j = 0; j < count; ++j) {
     const MlpGrads& g = mlps[j];
     const int H = static_cast<int>(g.H), I = static_cast<int>(g.I);
@@ -102,7 +102,8 @@ const char* WeightGradChain(const MlpGrads* mlps, int count, ChainParams* chain)
     if (auto err = sm90::PrepareGemm<Kind>(up, {g.x_rows, H, g.m}, {g.dgu, 2 * g.I, g.m}, {}))
       return err;
   }
-  return nullptr;
+  c.queue = queue, c.run_tiles = run_tiles;
+  return sm90::LaunchQueued<Kind, Kind>(c, stream);
 }
 
 }  // namespace
@@ -159,21 +160,16 @@ const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
   // dgu and h first; then the weight gradients, which write theirs, and dx_r, which reads the
   // weights, each a launch of its own. dx_r comes last because its f32 rows take the buffer of
   // xs and dy_r (2 R H bf16), which the weight gradients read: 4 R H bytes fewer a call.
-  ChainParams down, dx, weights;
+  ChainParams down, dx;
   if (auto err = DataGradChains(mlps, mlp_count, &down, &dx)) return err;
-  const int run_tiles = sm90::WeightGradRunTiles(CeilDiv(routes, a.ranks), a.E);
-  if (auto err = run_tiles > 1 ? WeightGradChain<sm90::BwdWeightRuns>(mlps, mlp_count, &weights)
-                               : WeightGradChain<sm90::BwdWeights>(mlps, mlp_count, &weights))
-    return err;
-  down.queue = a.queue + 1, dx.queue = a.queue + 3, weights.queue = a.queue + 2;
-  weights.run_tiles = run_tiles;
+  down.queue = a.queue + 1, dx.queue = a.queue + 3;
   if (auto err = sm90::LaunchQueued<sm90::BwdDown, sm90::BwdDown>(down, stream)) return err;
-  if (weights.run_tiles > 1) {
-    if (auto err = sm90::LaunchQueued<sm90::BwdWeightRuns, sm90::BwdWeightRuns>(weights, stream))
-      return err;
-  } else if (auto err = sm90::LaunchQueued<sm90::BwdWeights, sm90::BwdWeights>(weights, stream)) {
+  const int run_tiles = sm90::WeightGradRunTiles(CeilDiv(routes, a.ranks), a.E);
+  if (auto err = run_tiles > 1 ? LaunchWeightGrads<sm90::BwdWeightRuns>(
+                                     mlps, mlp_count, run_tiles, a.queue + 2, stream)
+                               : LaunchWeightGrads<sm90::BwdWeights>(mlps, mlp_count, run_tiles,
+                                                                     a.queue + 2, stream))
     return err;
-  }
   // NOTES: until 2026-12-01 the two ran in one launch (DualChainKernel: 40% of the CTAs
   // started on dx_r, the rest on the weight gradients, each going on to the other chain when
   // its own ran out), so that HBM served the weights' reads and their gradients' writes at
