@@ -109,8 +109,9 @@ struct GemmKind {
   // 64-deep steps, three stages of them, halve the loads and barrier rounds a tile. dsv3's
   // launch back to back 8.98, 8.81 -> 8.48, 8.49 ms, its forward+backward 24.03, 24.09 ->
   // 23.53, 23.51 ms a call (tools/ab, two rounds, same bits; docs/performance.md, The weight
-  // gradients in runs). Loading a last k-step of at most 32 rows as one 32-deep box a panel, so that no
-  // padding rows are loaded, was slower (9.07 against 8.25-8.42): more TMA boxes a tile.
+  // gradients in runs). Loading a last k-step of at most 32 rows as one 32-deep box a panel,
+  // so that no padding rows are loaded, was slower (9.07 against 8.25-8.42): more TMA boxes a
+  // tile.
   static constexpr int kBlockK = kTmaStore && !kRuns_ ? 32 : 64;
   static constexpr int kStages = kTmaStore ? (kRuns_ ? 3 : 6) : 4;
   static_assert(kBlockK == 64 || (!kKMajorA && !kKMajorB),
