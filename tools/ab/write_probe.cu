@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #include <cudaTypedefs.h>
@@ -67,14 +68,14 @@ __global__ void TileKernel(uint4* out, int64_t row_tiles, int col_tiles, int64_t
   }
 }
 
-// The tiles along the row band again, each half tile (64 rows, 32 KB) staged by the CTA's 128
-// threads into one of kSlabs slabs and stored by thread 0 in (kBoxCols, 64) boxes, one bulk group
-// a half tile; a slab is staged again once the group that read it last is done reading.
+// The tiles along the row band again, each half tile (64 rows, 32 KB) staged by 128 threads
+// (a warpgroup: named barrier 1) into one of kSlabs slabs and stored by its first thread in
+// (kBoxCols, 64) boxes, one bulk group a half tile; a slab is staged again once the group that
+// read it last is done reading.
 template <int kBoxCols, int kSlabs>
-__global__ void __launch_bounds__(kThreads)
-    TmaTileKernel(const __grid_constant__ CUtensorMap map, int64_t row_tiles, int col_tiles,
-                  uint32_t seed) {
-  extern __shared__ __align__(1024) uint4 slabs[];
+__device__ __forceinline__ void StoreTiles(const CUtensorMap& map, int64_t row_tiles,
+                                           int col_tiles, uint32_t seed, uint4* slabs,
+                                           int thread) {
   constexpr int kHalfRows = kTileRows / 2, kSlabUint4 = kHalfRows * kTileCols / 8;
   const int64_t tiles = row_tiles * col_tiles;
   const uint4 v = make_uint4(seed, seed + 1, seed + 2, seed + 3);
@@ -83,13 +84,13 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t rt = t / col_tiles, ct = t % col_tiles;
     for (int h = 0; h < 2; ++h, ++half) {
       const int slab = half % kSlabs;
-      if (threadIdx.x == 0) mok::sm90::BulkWaitRead<kSlabs - 1>();
-      __syncthreads();
+      if (thread == 0) mok::sm90::BulkWaitRead<kSlabs - 1>();
+      mok::sm90::NamedBarrierSync(1, kThreads);
       uint4* s = slabs + slab * kSlabUint4;
-      for (int i = threadIdx.x; i < kSlabUint4; i += kThreads) s[i] = v;
+      for (int i = thread; i < kSlabUint4; i += kThreads) s[i] = v;
       mok::sm90::FenceProxyAsyncShared();
-      __syncthreads();
-      if (threadIdx.x == 0) {
+      mok::sm90::NamedBarrierSync(1, kThreads);
+      if (thread == 0) {
         const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(s));
         for (int c = 0; c < kTileCols; c += kBoxCols)
           mok::sm90::TmaStore2d(&map, base + c * kHalfRows * 2,
@@ -99,7 +100,103 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   }
-  if (threadIdx.x == 0) mok::sm90::BulkWaitAll();
+  if (thread == 0) mok::sm90::BulkWaitAll();
+}
+
+template <int kBoxCols, int kSlabs>
+__global__ void __launch_bounds__(kThreads)
+    TmaTileKernel(const __grid_constant__ CUtensorMap map, int64_t row_tiles, int col_tiles,
+                  uint32_t seed) {
+  extern __shared__ __align__(1024) uint4 slabs[];
+  StoreTiles<kBoxCols, kSlabs>(map, row_tiles, col_tiles, seed, slabs, threadIdx.x);
+}
+
+// The weight gradients' stores (StoreTiles<32, 2>: two slabs, (32, 64) boxes) by warpgroup 0,
+// beside loads by warpgroup 1 of an L2-resident bf16 matrix (7168 columns, as dsv3's xs), 48 KB
+// in flight: kLoads 1, TMA boxes of (64, 64) x 2 panels (16 KB, as the runs' A k-steps), three
+// in flight from one thread, each reissued once its mbarrier says it landed; kLoads 2, 16-byte
+// ld.global.cg by all 128 threads, 24 each, then waited for. The loads run until the stores are
+// done and at least `min_samples` have been taken; stats[0..2] += their bytes, the samples (a
+// TMA box; a round of the 24 plain loads) and the samples' latency (ns, issue to data). Says
+// whether loads beside the stores wait behind them, and by which path less; with no rows to
+// store, how the loads fare alone.
+template <int kLoads>
+__global__ void __launch_bounds__(2 * kThreads)
+    MixedKernel(const __grid_constant__ CUtensorMap out, const __grid_constant__ CUtensorMap src,
+                const uint4* src_plain, int64_t src_rows, int64_t row_tiles, int col_tiles,
+                int64_t min_samples, uint32_t seed, unsigned long long* stats) {
+  extern __shared__ __align__(1024) uint4 smem[];
+  constexpr int kSlabUint4 = kTileRows / 2 * kTileCols / 8;  // 32 KB
+  constexpr int kSrcCols = 7168, kRound = 24 * kThreads;     // uint4 of a plain round
+  constexpr uint32_t kBox = 16384;
+  uint4* ring = smem + 2 * kSlabUint4;
+  __shared__ uint64_t full[3];
+  __shared__ volatile int done, stop[2];
+  if (threadIdx.x == 0) {
+    done = 0;
+    for (auto& f : full) mok::sm90::BarrierInit(&f, 1);
+    mok::sm90::FenceBarrierInit();
+  }
+  __syncthreads();
+  if (threadIdx.x < kThreads) {
+    StoreTiles<32, 2>(out, row_tiles, col_tiles, seed, smem, threadIdx.x);
+    if (threadIdx.x == 0) done = 1;
+    return;
+  }
+  if (kLoads == 0) return;
+  const int thread = threadIdx.x - kThreads;
+  unsigned long long bytes = 0, samples = 0, latency = 0;
+  if (kLoads == 1) {
+    if (thread != 0) return;
+    const int64_t panels = kSrcCols / 64 - 1, rows = src_rows - 64;
+    uint64_t issued[3];
+    int64_t n = 0;
+    for (;; ++n) {
+      const int slot = static_cast<int>(n % 3);
+      if (n >= 3) {  // load n - 3 used this slot
+        mok::sm90::BarrierWait(&full[slot], ((n - 3) / 3) & 1);
+        latency += mok::sm90::GlobalTimerNs() - issued[slot];
+        bytes += kBox, ++samples;
+        if (done && static_cast<int64_t>(samples) >= min_samples) break;
+      }
+      mok::sm90::BarrierArriveExpectTx(&full[slot], kBox);
+      mok::sm90::TmaLoad3d(ring + slot * (kBox / 16), &src, &full[slot], 0,
+                           static_cast<int32_t>((n * 64 + blockIdx.x * 8) % rows),
+                           static_cast<int32_t>((n * 7 + blockIdx.x) % panels));
+      issued[slot] = mok::sm90::GlobalTimerNs();
+    }
+    for (int64_t m = n - 2; m < n; ++m) mok::sm90::BarrierWait(&full[m % 3], (m / 3) & 1);
+  } else {
+    const int64_t span = src_rows * kSrcCols / 8 - kRound;
+    uint4 acc = make_uint4(0, 0, 0, 0);
+    for (int64_t n = 0;; ++n) {
+      const uint64_t t0 = mok::sm90::GlobalTimerNs();
+      const uint4* base = src_plain + (n * kRound + blockIdx.x * 4096) % span + thread;
+      uint4 v[24];
+#pragma unroll
+      for (int i = 0; i < 24; ++i) {
+        asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v[i].x), "=r"(v[i].y), "=r"(v[i].z), "=r"(v[i].w)
+                     : "l"(base + i * kThreads));
+      }
+#pragma unroll
+      for (int i = 0; i < 24; ++i) {
+        acc.x ^= v[i].x, acc.y ^= v[i].y, acc.z ^= v[i].z, acc.w ^= v[i].w;
+      }
+      // Thread 0 decides for the warpgroup whether this round was the last (stop[n % 2]).
+      if (thread == 0) stop[n % 2] = done && n + 1 >= min_samples;
+      mok::sm90::NamedBarrierSync(2, kThreads);
+      latency += mok::sm90::GlobalTimerNs() - t0;
+      bytes += kRound * 16, ++samples;
+      if (stop[n % 2]) break;
+    }
+    if (acc.x == 0x12345678u && acc.y == seed) stats[3] = acc.z;  // keeps the loads
+  }
+  if (thread == 0) {
+    atomicAdd(stats + 0, bytes);
+    atomicAdd(stats + 1, samples);
+    atomicAdd(stats + 2, latency);
+  }
 }
 
 // The same half tiles in two (128 columns, 64 rows) boxes of a 4D view of the buffer, (64
@@ -196,6 +293,49 @@ float TimeMs(Launch launch, int reps) {
   return Median(ms);
 }
 
+// MixedKernel's variants: the stores alone, beside TMA loads and beside plain loads; and each
+// kind of load alone.
+template <class Report>
+void Mixed(void* buf, int64_t rows, int64_t cols, int64_t row_tiles, int col_tiles, int sms,
+           int reps, Report report) {
+  constexpr int64_t kSrcRows = 256, kSrcCols = 7168;  // 3.7 MB: stays in L2
+  void* src;
+  unsigned long long* stats;
+  CHECK(cudaMalloc(&src, kSrcRows * kSrcCols * 2));
+  CHECK(cudaMemset(src, 0x3c, kSrcRows * kSrcCols * 2));
+  CHECK(cudaMalloc(&stats, 4 * sizeof(unsigned long long)));
+  CUtensorMap out, in;
+  if (!mok::sm90::MakeTensorMap(&out, buf, cols, rows, 32, 64, CU_TENSOR_MAP_SWIZZLE_64B) ||
+      !mok::sm90::MakePanelMap(&in, src, kSrcCols, kSrcRows, 64, 2)) {
+    std::fprintf(stderr, "no tensor maps for the mixed probe\n");
+    std::exit(1);
+  }
+  const int smem = 2 * kTileRows / 2 * kTileCols * 2 + 3 * 16384;
+  auto run = [&](auto kernel, const char* what, int64_t tiles, int64_t min_samples) {
+    CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    CHECK(cudaMemset(stats, 0, 4 * sizeof(unsigned long long)));
+    const float ms = TimeMs([&](int i) {
+      kernel<<<sms, 2 * kThreads, smem>>>(out, in, static_cast<const uint4*>(src), kSrcRows,
+                                          tiles, col_tiles, min_samples, i, stats);
+    }, reps);
+    unsigned long long s[3];
+    CHECK(cudaMemcpy(s, stats, sizeof s, cudaMemcpyDeviceToHost));
+    const double launches = 2.0 * reps;
+    const double stored = tiles * col_tiles * kTileRows * kTileCols * 2.0;
+    std::printf("  %-52s %8.3f ms  stores %5.2f TB/s  loads %5.2f TB/s, %6.2f us a sample\n",
+                what, ms, stored / ms / 1e9, s[0] / launches / ms / 1e9,
+                s[1] ? s[2] / 1e3 / s[1] : 0.0);
+  };
+  run(MixedKernel<0>, "TMA stores alone (two slabs, (32, 64) boxes)", row_tiles, 0);
+  run(MixedKernel<1>, "  beside TMA loads, 3 x 16 KB in flight", row_tiles, 0);
+  run(MixedKernel<2>, "  beside ld.global.cg, 48 KB in flight", row_tiles, 0);
+  run(MixedKernel<1>, "TMA loads alone", 0, 30000);
+  run(MixedKernel<2>, "ld.global.cg alone", 0, 10000);
+  (void)report;
+  CHECK(cudaFree(src));
+  CHECK(cudaFree(stats));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -218,6 +358,12 @@ int main(int argc, char** argv) {
   auto report = [&](const char* what, float ms, double moved) {
     std::printf("  %-70s %8.3f ms  %6.2f TB/s\n", what, ms, moved / ms / 1e9);
   };
+  const int col_tiles = static_cast<int>(cols / kTileCols);
+  if (argc > 3 && std::string(argv[3]) == "mixed") {
+    Mixed(buf, rows, cols, row_tiles, col_tiles, sms, reps, report);
+    CHECK(cudaFree(buf));
+    return 0;
+  }
   const int64_t n16 = bytes / 16;
   for (int per_sm : {4, 16}) {
     const float ms = TimeMs([&](int i) {
@@ -227,7 +373,6 @@ int main(int argc, char** argv) {
     std::snprintf(what, sizeof what, "stream, 16-byte stores, %d CTAs an SM", per_sm);
     report(what, ms, bytes);
   }
-  const int col_tiles = static_cast<int>(cols / kTileCols);
   const struct { Order order; const char* name; } orders[] = {
       {kAlongRows, "tiles along the row band"},
       {kAlongColumns, "tiles down the columns"},
