@@ -319,11 +319,15 @@ def cuda_digests(routing: str = "") -> dict:
   About 128 routed rows an expert, so that experts end on odd and even row tiles alike at
   either block_m; gate|up 640 columns (three column tiles, the last narrow) and down 384 (two,
   the second narrow): in clusters of two, column pairs with and without a second tile.
-  routing "tails": the same layer routed by tail_routing() instead."""
+  routing "tails": the same layer routed by tail_routing() instead; one of CUDA_ROUTINGS: by
+  cuda_routing()."""
   if routing == "tails":
     ids = tail_routing()
     case = make_case(len(ids), 384, 320, 96, ids.shape[1], Is=128, dtype=BF16, seed=7,
                      experts=ids)
+  elif routing:
+    case = make_case(2048, 384, 320, 96, 6, Is=128, dtype=BF16, seed=7,
+                     experts=cuda_routing(routing, 2048, 96, 6))
   else:
     case = make_case(2048, 384, 320, 96, 6, Is=128, dtype=BF16, seed=7)
   out = {}

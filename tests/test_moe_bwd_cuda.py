@@ -131,6 +131,17 @@ def test_same_bits_however_weight_gradient_tiles_run(block_m):
   assert_same_digests(runs, runs["1"], "MOK_WGRAD_RUN")
 
 
+@pytest.mark.parametrize("routing", ("one_expert", "empty_experts"))
+def test_runs_take_any_routing(routing):
+  """Runs forced (MOK_WGRAD_RUN=8) where reductions outgrow the stages (every route in one
+  expert, or in three) and most experts are empty: the bits of tiles one at a time (1)."""
+  runs = {r: cuda_digests_with(NO_COMMAND_BUFFER_FLAGS, routing=routing, runs=r)
+          for r in ("1", "8")}
+  for block_m in ops.CUDA_BLOCK_MS:
+    assert_same_digests({r: d[str(block_m)] for r, d in runs.items()}, runs["1"][str(block_m)],
+                        f"MOK_WGRAD_RUN, {routing}, block_m {block_m}")
+
+
 @pytest.mark.parametrize("block_m", ops.CUDA_BLOCK_MS)
 def test_bitwise_deterministic(block_m):
   case = make_case(4096, 512, 256, 64, 8, Is=128, dtype=BF16, seed=5)

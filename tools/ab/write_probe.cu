@@ -7,11 +7,12 @@
 // it), with one or two slabs a CTA and one to four CTAs an SM; and a device-to-device copy of
 // half the bytes for a read-and-write stream. It says what the weight gradients' stores could
 // take at best, and what their store path costs against plain stores (docs/performance.md,
-// What bounds dsv3).
+// What bounds dsv3). With `mixed`, only the storers' TMA stores beside loads from L2 by TMA or
+// by plain loads, and those loads alone (MixedKernel): what loads beside the stores cost both.
 //
 // Build (here or on the device): nvcc -std=c++17 -arch=sm_90a -O3 -Icuda/sm90 -o
 //   runs/probe/write_probe tools/ab/write_probe.cu cuda/sm90/tensor_map.cc; run:
-//   runs/probe/write_probe [COLS] [GB] (default 7168, 22.5).
+//   runs/probe/write_probe [COLS] [GB] [mixed] (default 7168, 22.5).
 // Each figure is the median of REPS (default 15) launches, each after a launch of the same.
 #include <algorithm>
 #include <cstdint>
@@ -295,9 +296,8 @@ float TimeMs(Launch launch, int reps) {
 
 // MixedKernel's variants: the stores alone, beside TMA loads and beside plain loads; and each
 // kind of load alone.
-template <class Report>
 void Mixed(void* buf, int64_t rows, int64_t cols, int64_t row_tiles, int col_tiles, int sms,
-           int reps, Report report) {
+           int reps) {
   constexpr int64_t kSrcRows = 256, kSrcCols = 7168;  // 3.7 MB: stays in L2
   void* src;
   unsigned long long* stats;
@@ -331,7 +331,6 @@ void Mixed(void* buf, int64_t rows, int64_t cols, int64_t row_tiles, int col_til
   run(MixedKernel<2>, "  beside ld.global.cg, 48 KB in flight", row_tiles, 0);
   run(MixedKernel<1>, "TMA loads alone", 0, 30000);
   run(MixedKernel<2>, "ld.global.cg alone", 0, 10000);
-  (void)report;
   CHECK(cudaFree(src));
   CHECK(cudaFree(stats));
 }
@@ -360,7 +359,7 @@ int main(int argc, char** argv) {
   };
   const int col_tiles = static_cast<int>(cols / kTileCols);
   if (argc > 3 && std::string(argv[3]) == "mixed") {
-    Mixed(buf, rows, cols, row_tiles, col_tiles, sms, reps, report);
+    Mixed(buf, rows, cols, row_tiles, col_tiles, sms, reps);
     CHECK(cudaFree(buf));
     return 0;
   }
