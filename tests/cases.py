@@ -325,11 +325,9 @@ def cuda_digests(routing: str = "") -> dict:
     ids = tail_routing()
     case = make_case(len(ids), 384, 320, 96, ids.shape[1], Is=128, dtype=BF16, seed=7,
                      experts=ids)
-  elif routing:
-    case = make_case(2048, 384, 320, 96, 6, Is=128, dtype=BF16, seed=7,
-                     experts=cuda_routing(routing, 2048, 96, 6))
   else:
-    case = make_case(2048, 384, 320, 96, 6, Is=128, dtype=BF16, seed=7)
+    case = make_case(2048, 384, 320, 96, 6, Is=128, dtype=BF16, seed=7,
+                     experts=cuda_routing(routing, 2048, 96, 6) if routing else None)
   out = {}
   for block_m in ops.CUDA_BLOCK_MS:
     config = mok_jax.Config(block_m=block_m)
