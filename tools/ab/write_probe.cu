@@ -121,6 +121,9 @@ __global__ void __launch_bounds__(kThreads)
 // TMA box; a round of the 24 plain loads) and the samples' latency (ns, issue to data). Says
 // whether loads beside the stores wait behind them, and by which path less; with no rows to
 // store, how the loads fare alone.
+constexpr int kSrcCols = 7168;        // MixedKernel's source matrix: dsv3's xs rows
+constexpr uint32_t kLoadBox = 16384;  // its TMA boxes: (64, 64) x 2 panels of bf16
+
 template <int kLoads>
 __global__ void __launch_bounds__(2 * kThreads)
     MixedKernel(const __grid_constant__ CUtensorMap out, const __grid_constant__ CUtensorMap src,
@@ -128,8 +131,7 @@ __global__ void __launch_bounds__(2 * kThreads)
                 int64_t min_samples, uint32_t seed, unsigned long long* stats) {
   extern __shared__ __align__(1024) uint4 smem[];
   constexpr int kSlabUint4 = kTileRows / 2 * kTileCols / 8;  // 32 KB
-  constexpr int kSrcCols = 7168, kRound = 24 * kThreads;     // uint4 of a plain round
-  constexpr uint32_t kBox = 16384;
+  constexpr int kRound = 24 * kThreads;  // uint4 of a plain round
   uint4* ring = smem + 2 * kSlabUint4;
   __shared__ uint64_t full[3];
   __shared__ volatile int done, stop[2];
@@ -157,11 +159,11 @@ __global__ void __launch_bounds__(2 * kThreads)
       if (n >= 3) {  // load n - 3 used this slot
         mok::sm90::BarrierWait(&full[slot], ((n - 3) / 3) & 1);
         latency += mok::sm90::GlobalTimerNs() - issued[slot];
-        bytes += kBox, ++samples;
+        bytes += kLoadBox, ++samples;
         if (done && static_cast<int64_t>(samples) >= min_samples) break;
       }
-      mok::sm90::BarrierArriveExpectTx(&full[slot], kBox);
-      mok::sm90::TmaLoad3d(ring + slot * (kBox / 16), &src, &full[slot], 0,
+      mok::sm90::BarrierArriveExpectTx(&full[slot], kLoadBox);
+      mok::sm90::TmaLoad3d(ring + slot * (kLoadBox / 16), &src, &full[slot], 0,
                            static_cast<int32_t>((n * 64 + blockIdx.x * 8) % rows),
                            static_cast<int32_t>((n * 7 + blockIdx.x) % panels));
       issued[slot] = mok::sm90::GlobalTimerNs();
@@ -298,7 +300,7 @@ float TimeMs(Launch launch, int reps) {
 // kind of load alone.
 void Mixed(void* buf, int64_t rows, int64_t cols, int64_t row_tiles, int col_tiles, int sms,
            int reps) {
-  constexpr int64_t kSrcRows = 256, kSrcCols = 7168;  // 3.7 MB: stays in L2
+  constexpr int64_t kSrcRows = 256;  // 3.7 MB: stays in L2
   void* src;
   unsigned long long* stats;
   CHECK(cudaMalloc(&src, kSrcRows * kSrcCols * 2));
@@ -310,7 +312,7 @@ void Mixed(void* buf, int64_t rows, int64_t cols, int64_t row_tiles, int col_til
     std::fprintf(stderr, "no tensor maps for the mixed probe\n");
     std::exit(1);
   }
-  const int smem = 2 * kTileRows / 2 * kTileCols * 2 + 3 * 16384;
+  const int smem = 2 * kTileRows / 2 * kTileCols * 2 + 3 * kLoadBox;
   auto run = [&](auto kernel, const char* what, int64_t tiles, int64_t min_samples) {
     CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     CHECK(cudaMemset(stats, 0, 4 * sizeof(unsigned long long)));
