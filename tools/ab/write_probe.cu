@@ -73,15 +73,16 @@ __global__ void TileKernel(uint4* out, int64_t row_tiles, int col_tiles, int64_t
 // (a warpgroup: named barrier 1) into one of kSlabs slabs and stored by its first thread in
 // (kBoxCols, 64) boxes, one bulk group a half tile; a slab is staged again once the group that
 // read it last is done reading.
+// A CTA takes tiles first, first + stride, ... (persistent CTAs: blockIdx.x, gridDim.x).
 template <int kBoxCols, int kSlabs>
 __device__ __forceinline__ void StoreTiles(const CUtensorMap& map, int64_t row_tiles,
                                            int col_tiles, uint32_t seed, uint4* slabs,
-                                           int thread) {
+                                           int thread, int64_t first, int64_t stride) {
   constexpr int kHalfRows = kTileRows / 2, kSlabUint4 = kHalfRows * kTileCols / 8;
   const int64_t tiles = row_tiles * col_tiles;
   const uint4 v = make_uint4(seed, seed + 1, seed + 2, seed + 3);
   int half = 0;
-  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+  for (int64_t t = first; t < tiles; t += stride) {
     const int64_t rt = t / col_tiles, ct = t % col_tiles;
     for (int h = 0; h < 2; ++h, ++half) {
       const int slab = half % kSlabs;
@@ -109,7 +110,8 @@ __global__ void __launch_bounds__(kThreads)
     TmaTileKernel(const __grid_constant__ CUtensorMap map, int64_t row_tiles, int col_tiles,
                   uint32_t seed) {
   extern __shared__ __align__(1024) uint4 slabs[];
-  StoreTiles<kBoxCols, kSlabs>(map, row_tiles, col_tiles, seed, slabs, threadIdx.x);
+  StoreTiles<kBoxCols, kSlabs>(map, row_tiles, col_tiles, seed, slabs, threadIdx.x, blockIdx.x,
+                               gridDim.x);
 }
 
 // The weight gradients' stores (StoreTiles<32, 2>: two slabs, (32, 64) boxes) by warpgroup 0,
@@ -120,20 +122,30 @@ __global__ void __launch_bounds__(kThreads)
 // done and at least `min_samples` have been taken; stats[0..2] += their bytes, the samples (a
 // TMA box; a round of the 24 plain loads) and the samples' latency (ns, issue to data). Says
 // whether loads beside the stores wait behind them, and by which path less; with no rows to
-// store, how the loads fare alone.
+// store, how the loads fare alone. kSplit: the even CTAs only store (all the tiles between
+// them) and the odd ones only load, until every storing CTA is done (`storing` counts them
+// down): whether loads on other SMs than the stores wait as long as loads on the same SMs,
+// i.e. whether what slows them is the SM's own path (its TMA unit, its port to the memory
+// system) or the memory system that all SMs share.
 constexpr int kSrcCols = 7168;        // MixedKernel's source matrix: dsv3's xs rows
 constexpr uint32_t kLoadBox = 16384;  // its TMA boxes: (64, 64) x 2 panels of bf16
 
-template <int kLoads>
+__global__ void SetKernel(int* at, int value) { *at = value; }
+
+// kLoads 1 with kInFlight boxes in flight (at most kMaxInFlight) of kBoxPanels panels (8 KB
+// each; src_one: the map of one-panel boxes).
+constexpr int kMaxInFlight = 6;
+template <int kLoads, bool kSplit = false, int kInFlight = 3, int kBoxPanels = 2>
 __global__ void __launch_bounds__(2 * kThreads)
     MixedKernel(const __grid_constant__ CUtensorMap out, const __grid_constant__ CUtensorMap src,
-                const uint4* src_plain, int64_t src_rows, int64_t row_tiles, int col_tiles,
-                int64_t min_samples, uint32_t seed, unsigned long long* stats) {
+                const __grid_constant__ CUtensorMap src_one, const uint4* src_plain, int64_t src_rows, int64_t row_tiles, int col_tiles,
+                int64_t min_samples, uint32_t seed, unsigned long long* stats, int* storing) {
   extern __shared__ __align__(1024) uint4 smem[];
   constexpr int kSlabUint4 = kTileRows / 2 * kTileCols / 8;  // 32 KB
   constexpr int kRound = 24 * kThreads;  // uint4 of a plain round
   uint4* ring = smem + 2 * kSlabUint4;
-  __shared__ uint64_t full[3];
+  static_assert(kInFlight <= kMaxInFlight && (kBoxPanels == 1 || kBoxPanels == 2));
+  __shared__ uint64_t full[kMaxInFlight];
   __shared__ volatile int done, stop[2];
   if (threadIdx.x == 0) {
     done = 0;
@@ -141,34 +153,49 @@ __global__ void __launch_bounds__(2 * kThreads)
     mok::sm90::FenceBarrierInit();
   }
   __syncthreads();
+  const bool stores = !kSplit || blockIdx.x % 2 == 0;
   if (threadIdx.x < kThreads) {
-    StoreTiles<32, 2>(out, row_tiles, col_tiles, seed, smem, threadIdx.x);
+    if (!stores) return;
+    if (kSplit) {
+      StoreTiles<32, 2>(out, row_tiles, col_tiles, seed, smem, threadIdx.x, blockIdx.x / 2,
+                        gridDim.x / 2);
+      if (threadIdx.x == 0) atomicSub(storing, 1);
+    } else {
+      StoreTiles<32, 2>(out, row_tiles, col_tiles, seed, smem, threadIdx.x, blockIdx.x,
+                        gridDim.x);
+    }
     if (threadIdx.x == 0) done = 1;
     return;
   }
-  if (kLoads == 0) return;
+  if (kLoads == 0 || (kSplit && stores)) return;
+  // kSplit: this CTA stores nothing; it loads until the storing CTAs are done.
+  auto stores_done = [&] {
+    return kSplit ? *static_cast<volatile int*>(storing) <= 0 : done != 0;
+  };
   const int thread = threadIdx.x - kThreads;
   unsigned long long bytes = 0, samples = 0, latency = 0;
   if (kLoads == 1) {
     if (thread != 0) return;
+    constexpr uint32_t kBox = kLoadBox / 2 * kBoxPanels;
     const int64_t panels = kSrcCols / 64 - 1, rows = src_rows - 64;
-    uint64_t issued[3];
+    uint64_t issued[kInFlight];
     int64_t n = 0;
     for (;; ++n) {
-      const int slot = static_cast<int>(n % 3);
-      if (n >= 3) {  // load n - 3 used this slot
-        mok::sm90::BarrierWait(&full[slot], ((n - 3) / 3) & 1);
+      const int slot = static_cast<int>(n % kInFlight);
+      if (n >= kInFlight) {  // load n - kInFlight used this slot
+        mok::sm90::BarrierWait(&full[slot], ((n - kInFlight) / kInFlight) & 1);
         latency += mok::sm90::GlobalTimerNs() - issued[slot];
-        bytes += kLoadBox, ++samples;
-        if (done && static_cast<int64_t>(samples) >= min_samples) break;
+        bytes += kBox, ++samples;
+        if (stores_done() && static_cast<int64_t>(samples) >= min_samples) break;
       }
-      mok::sm90::BarrierArriveExpectTx(&full[slot], kLoadBox);
-      mok::sm90::TmaLoad3d(ring + slot * (kLoadBox / 16), &src, &full[slot], 0,
-                           static_cast<int32_t>((n * 64 + blockIdx.x * 8) % rows),
+      mok::sm90::BarrierArriveExpectTx(&full[slot], kBox);
+      mok::sm90::TmaLoad3d(ring + slot * (kLoadBox / 16), kBoxPanels == 2 ? &src : &src_one,
+                           &full[slot], 0, static_cast<int32_t>((n * 64 + blockIdx.x * 8) % rows),
                            static_cast<int32_t>((n * 7 + blockIdx.x) % panels));
       issued[slot] = mok::sm90::GlobalTimerNs();
     }
-    for (int64_t m = n - 2; m < n; ++m) mok::sm90::BarrierWait(&full[m % 3], (m / 3) & 1);
+    for (int64_t m = n - (kInFlight - 1); m < n; ++m)
+      mok::sm90::BarrierWait(&full[m % kInFlight], (m / kInFlight) & 1);
   } else {
     const int64_t span = src_rows * kSrcCols / 8 - kRound;
     uint4 acc = make_uint4(0, 0, 0, 0);
@@ -187,7 +214,7 @@ __global__ void __launch_bounds__(2 * kThreads)
         acc.x ^= v[i].x, acc.y ^= v[i].y, acc.z ^= v[i].z, acc.w ^= v[i].w;
       }
       // Thread 0 decides for the warpgroup whether this round was the last (stop[n % 2]).
-      if (thread == 0) stop[n % 2] = done && n + 1 >= min_samples;
+      if (thread == 0) stop[n % 2] = stores_done() && n + 1 >= min_samples;
       mok::sm90::NamedBarrierSync(2, kThreads);
       latency += mok::sm90::GlobalTimerNs() - t0;
       bytes += kRound * 16, ++samples;
@@ -306,19 +333,24 @@ void Mixed(void* buf, int64_t rows, int64_t cols, int64_t row_tiles, int col_til
   CHECK(cudaMalloc(&src, kSrcRows * kSrcCols * 2));
   CHECK(cudaMemset(src, 0x3c, kSrcRows * kSrcCols * 2));
   CHECK(cudaMalloc(&stats, 4 * sizeof(unsigned long long)));
-  CUtensorMap out, in;
+  int* storing;
+  CHECK(cudaMalloc(&storing, sizeof(int)));
+  CUtensorMap out, in, in_one;
   if (!mok::sm90::MakeTensorMap(&out, buf, cols, rows, 32, 64, CU_TENSOR_MAP_SWIZZLE_64B) ||
-      !mok::sm90::MakePanelMap(&in, src, kSrcCols, kSrcRows, 64, 2)) {
+      !mok::sm90::MakePanelMap(&in, src, kSrcCols, kSrcRows, 64, 2) ||
+      !mok::sm90::MakePanelMap(&in_one, src, kSrcCols, kSrcRows, 64, 1)) {
     std::fprintf(stderr, "no tensor maps for the mixed probe\n");
     std::exit(1);
   }
-  const int smem = 2 * kTileRows / 2 * kTileCols * 2 + 3 * kLoadBox;
+  const int smem = 2 * kTileRows / 2 * kTileCols * 2 + kMaxInFlight * kLoadBox;
   auto run = [&](auto kernel, const char* what, int64_t tiles, int64_t min_samples) {
     CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     CHECK(cudaMemset(stats, 0, 4 * sizeof(unsigned long long)));
+    const int storers = sms / 2;  // kSplit's storing CTAs (the even ones of sms)
     const float ms = TimeMs([&](int i) {
-      kernel<<<sms, 2 * kThreads, smem>>>(out, in, static_cast<const uint4*>(src), kSrcRows,
-                                          tiles, col_tiles, min_samples, i, stats);
+      SetKernel<<<1, 1>>>(storing, storers);
+      kernel<<<sms, 2 * kThreads, smem>>>(out, in, in_one, static_cast<const uint4*>(src), kSrcRows,
+                                          tiles, col_tiles, min_samples, i, stats, storing);
     }, reps);
     unsigned long long s[3];
     CHECK(cudaMemcpy(s, stats, sizeof s, cudaMemcpyDeviceToHost));
@@ -333,8 +365,16 @@ void Mixed(void* buf, int64_t rows, int64_t cols, int64_t row_tiles, int col_til
   run(MixedKernel<2>, "  beside ld.global.cg, 48 KB in flight", row_tiles, 0);
   run(MixedKernel<1>, "TMA loads alone", 0, 30000);
   run(MixedKernel<2>, "ld.global.cg alone", 0, 10000);
+  run(MixedKernel<1, false, 6>, "  beside TMA loads, 6 x 16 KB in flight", row_tiles, 0);
+  run(MixedKernel<1, false, 6, 1>, "  beside TMA loads, 6 x 8 KB in flight", row_tiles, 0);
+  run(MixedKernel<1, false, 2>, "  beside TMA loads, 2 x 16 KB in flight", row_tiles, 0);
+  run(MixedKernel<1, false, 6>, "TMA loads alone, 6 x 16 KB in flight", 0, 60000);
+  run(MixedKernel<0, true>, "TMA stores alone, on the even half of the SMs", row_tiles, 0);
+  run(MixedKernel<1, true>, "  beside TMA loads on the odd half, 3 x 16 KB in flight", row_tiles,
+      0);
   CHECK(cudaFree(src));
   CHECK(cudaFree(stats));
+  CHECK(cudaFree(storing));
 }
 
 }  // namespace
