@@ -7,8 +7,9 @@
 // it), with one or two slabs a CTA and one to four CTAs an SM; and a device-to-device copy of
 // half the bytes for a read-and-write stream. It says what the weight gradients' stores could
 // take at best, and what their store path costs against plain stores (docs/performance.md,
-// What bounds dsv3). With `mixed`, only the storers' TMA stores beside loads from L2 by TMA or
-// by plain loads, and those loads alone (MixedKernel): what loads beside the stores cost both.
+// What bounds dsv3). With `mixed`, only the storers' TMA stores beside loads from L2 by TMA (2
+// to 6 boxes in flight a CTA) or by plain loads, beside TMA loads on the other half of the SMs,
+// and those loads alone (MixedKernel): what loads beside the stores cost both.
 //
 // Build (here or on the device): nvcc -std=c++17 -arch=sm_90a -O3 -Icuda/sm90 -o
 //   runs/probe/write_probe tools/ab/write_probe.cu cuda/sm90/tensor_map.cc; run:
