@@ -73,8 +73,8 @@ __global__ void TileKernel(uint4* out, int64_t row_tiles, int col_tiles, int64_t
 // The tiles along the row band again, each half tile (64 rows, 32 KB) staged by 128 threads
 // (a warpgroup: named barrier 1) into one of kSlabs slabs and stored by its first thread in
 // (kBoxCols, 64) boxes, one bulk group a half tile; a slab is staged again once the group that
-// read it last is done reading.
-// A CTA takes tiles first, first + stride, ... (persistent CTAs: blockIdx.x, gridDim.x).
+// read it last is done reading. A CTA takes tiles first, first + stride, ... (persistent CTAs:
+// blockIdx.x, gridDim.x).
 template <int kBoxCols, int kSlabs>
 __device__ __forceinline__ void StoreTiles(const CUtensorMap& map, int64_t row_tiles,
                                            int col_tiles, uint32_t seed, uint4* slabs,
@@ -139,8 +139,9 @@ constexpr int kMaxInFlight = 6;
 template <int kLoads, bool kSplit = false, int kInFlight = 3, int kBoxPanels = 2>
 __global__ void __launch_bounds__(2 * kThreads)
     MixedKernel(const __grid_constant__ CUtensorMap out, const __grid_constant__ CUtensorMap src,
-                const __grid_constant__ CUtensorMap src_one, const uint4* src_plain, int64_t src_rows, int64_t row_tiles, int col_tiles,
-                int64_t min_samples, uint32_t seed, unsigned long long* stats, int* storing) {
+                const __grid_constant__ CUtensorMap src_one, const uint4* src_plain,
+                int64_t src_rows, int64_t row_tiles, int col_tiles, int64_t min_samples,
+                uint32_t seed, unsigned long long* stats, int* storing) {
   extern __shared__ __align__(1024) uint4 smem[];
   constexpr int kSlabUint4 = kTileRows / 2 * kTileCols / 8;  // 32 KB
   constexpr int kRound = 24 * kThreads;  // uint4 of a plain round
@@ -350,8 +351,9 @@ void Mixed(void* buf, int64_t rows, int64_t cols, int64_t row_tiles, int col_til
     const int storers = sms / 2;  // kSplit's storing CTAs (the even ones of sms)
     const float ms = TimeMs([&](int i) {
       SetKernel<<<1, 1>>>(storing, storers);
-      kernel<<<sms, 2 * kThreads, smem>>>(out, in, in_one, static_cast<const uint4*>(src), kSrcRows,
-                                          tiles, col_tiles, min_samples, i, stats, storing);
+      kernel<<<sms, 2 * kThreads, smem>>>(out, in, in_one, static_cast<const uint4*>(src),
+                                          kSrcRows, tiles, col_tiles, min_samples, i, stats,
+                                          storing);
     }, reps);
     unsigned long long s[3];
     CHECK(cudaMemcpy(s, stats, sizeof s, cudaMemcpyDeviceToHost));
