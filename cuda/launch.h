@@ -70,15 +70,15 @@ struct MoeBwdArgs {
   void* dws_up;           // (H, Is)
   void* dws_down;         // (Is, H)
   // xs and dy_routed are live until the weight gradients have read them; dx_routed, written
-  // after, may lie over them (the FFI handler gives it their buffer).
+  // after, may lie over one of them (the FFI handler gives it xs's buffer).
   void* xs;               // scratch (R, H) bf16
   void* dy_routed;        // scratch (R, H) bf16
-  float* dx_routed;       // scratch (R, H)
+  void* dx_routed;        // scratch (R, H) bf16
   void* dgu;              // scratch (R, 2I) bf16; may be gu (each tile reads its g, u first)
   void* h;                // scratch (R, I) bf16
   void* dgu_shared;       // scratch (T, 2Is) bf16; may be gu_shared
   void* h_shared;         // scratch (T, Is) bf16
-  float* dx_shared;       // scratch (T, H), empty when Is = 0
+  void* dx_shared;        // scratch (T, H) bf16, empty when Is = 0
   bool recompute;         // Config.recompute: gu and gu_shared from x, into dgu and dgu_shared
   int32_t* queue;         // scratch (TileQueueInts(T, k, E)): tile queues of the GEMM launches
 };

@@ -165,7 +165,7 @@ ffi::Error CheckBwdArgs(const MoeDims& d, ffi::DataType dtype, ffi::AnyBuffer dy
                    CheckBuffer(target, "dgu_shared", out.dgu_shared, dtype, {d.T, 2 * d.Is}),
                    CheckBuffer(target, "h", out.h, dtype, {d.R, d.I}),
                    CheckBuffer(target, "h_shared", out.h_shared, dtype, {d.T, d.Is}),
-                   CheckBuffer(target, "dx_shared", out.dx_shared, f32,
+                   CheckBuffer(target, "dx_shared", out.dx_shared, dtype,
                                {d.Is > 0 ? d.T : 0, d.H}),
                    CheckBuffer(target, "queue", out.queue, ffi::DataType::S32,
                                {TileQueueInts(d.T, d.k, d.E)})}) {

@@ -69,8 +69,7 @@ struct MoeBwdResults {
   ffi::AnyBuffer dws_up;      // (H, Is)
   ffi::AnyBuffer dws_down;    // (Is, H)
   // scratch (2, R, H) like x: [0] xs, the token row of each routed row, [1] dy_routed,
-  // w[t, j] * dy[t]; once the weight gradients have read them, dx_routed (R, H) f32 over the
-  // whole buffer (4 R H bytes of its 2 b R H).
+  // w[t, j] * dy[t]; once the weight gradients have read them, dx_routed (R, H) over [0].
   ffi::AnyBuffer routed;
   // [dg | du] over [g | u]: without recompute these alias the residuals gu and gu_shared
   // (mok_jax.ops.bwd_aliases); with recompute gu and gu_shared are recomputed into them first.
@@ -78,7 +77,7 @@ struct MoeBwdResults {
   ffi::AnyBuffer dgu_shared;  // scratch (T, 2Is) like x
   ffi::AnyBuffer h;           // scratch (R, I) like x: silu(g) * u from gu
   ffi::AnyBuffer h_shared;    // scratch (T, Is) like x
-  ffi::AnyBuffer dx_shared;   // scratch (T, H) f32, (0, H) when Is = 0
+  ffi::AnyBuffer dx_shared;   // scratch (T, H) like x, (0, H) when Is = 0
   ffi::AnyBuffer queue;       // scratch (TileQueueInts(T, k, E)) s32: tile queues of the
                               // backward's GEMM launches
 };
@@ -164,7 +163,7 @@ auto BindMoeBwd(Binding binding) {
       .template Ret<ffi::AnyBuffer>()            // scratch dgu_shared (T, 2Is), over gu_shared
       .template Ret<ffi::AnyBuffer>()            // scratch h (R, I)
       .template Ret<ffi::AnyBuffer>()            // scratch h_shared (T, Is)
-      .template Ret<ffi::AnyBuffer>()            // scratch dx_shared (T or 0, H) f32
+      .template Ret<ffi::AnyBuffer>()            // scratch dx_shared (T or 0, H) like x
       .template Ret<ffi::AnyBuffer>()            // scratch queue s32 (TileQueueInts(T, k, E))
       .template Attr<int64_t>("block_m")
       .template Attr<bool>("recompute")

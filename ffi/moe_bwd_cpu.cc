@@ -4,7 +4,8 @@
 //   dh       = dy_r @ w_down^T                 dw_down_e = h_e^T @ dy_r_e   (h from gu)
 //   dg, du   = SwiGLU backward(g, u, dh)       dw_gate_e = x_e^T @ dg_e, dw_up_e = x_e^T @ du_e
 //   dx_r     = dg @ w_gate^T + du @ w_up^T     dx[t] = sum_j dx_r[pos[t, j]] + shared part
-//   (dx_r last: it takes the buffer of dy_r, as on the GPU)
+//   (dx_r last: it takes the buffer of xs, as on the GPU; each route's dx_r and the shared
+//   part are rounded to x's dtype, as each route's output is in the forward)
 //
 // gu = [g | u] comes from the residuals, or with recompute from x first (RecomputeGu).
 #include <algorithm>
@@ -84,8 +85,8 @@ void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
   // (recompute, or XLA's alias of the residual), else into a buffer of their own.
   const S* gu = (d.recompute ? out.dgu : res.gu).reinterpret_data<S>();
   const S* y_routed = res.y_routed.reinterpret_data<S>();
-  // routed[1] holds dy_r; routed[0] is the GPU's xs, which these loops read from x instead.
-  // dx_r (f32) takes the whole buffer once the weight gradients have read dy_r, as on the GPU.
+  // routed[1] holds dy_r; routed[0] is the GPU's xs, which these loops read from x instead,
+  // and then dx_r, as on the GPU.
   S* dy_r = out.routed.reinterpret_data<S>() + d.R * H;
   S* dgu = out.dgu.reinterpret_data<S>();
   float* dweights = out.dweights.reinterpret_data<float>();
@@ -153,8 +154,8 @@ void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
     }
   }
 
-  float* dx_r = out.routed.reinterpret_data<float>();
-  std::fill(dx_r, dx_r + d.R * H, 0.0f);
+  S* dx_r = out.routed.reinterpret_data<S>();
+  std::fill(dx_r, dx_r + d.R * H, Store<S>(0.0f));
   for (int64_t e = 0; e < d.E; ++e) {
     const S *wg_e = wg + e * H * I, *wu_e = wu + e * H * I;
     for (int64_t r = offsets[e]; r < offsets[e + 1]; ++r) {
@@ -166,7 +167,7 @@ void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
           float dg = Load(dgu_row[i]), du = Load(dgu_row[I + i]);
           dx += dg * Load(wg_e[h * I + i]) + du * Load(wu_e[h * I + i]);
         }
-        dx_r[r * H + h] = dx;
+        dx_r[r * H + h] = Store<S>(dx);
       }
     }
   }
@@ -178,7 +179,7 @@ void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
   const S* gu_s = (d.recompute ? out.dgu_shared : res.gu_shared).reinterpret_data<S>();
   S* dgu_s = out.dgu_shared.reinterpret_data<S>();
   S* h_s = out.h_shared.reinterpret_data<S>();
-  float* dx_s = out.dx_shared.reinterpret_data<float>();
+  S* dx_s = out.dx_shared.reinterpret_data<S>();
   S* dx = out.dx.reinterpret_data<S>();
   std::vector<float> acc(H), sd(Is * H, 0.0f), sg(H * Is, 0.0f), su(H * Is, 0.0f);
   for (int64_t t = 0; t < T; ++t) {
@@ -186,7 +187,7 @@ void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
     for (int64_t j = 0; j < k; ++j) {
       int64_t p = pos[t * k + j];
       if (p < 0) continue;
-      for (int64_t h = 0; h < H; ++h) acc[h] += dx_r[p * H + h];
+      for (int64_t h = 0; h < H; ++h) acc[h] += Load(dx_r[p * H + h]);
     }
     const S* gu_row = gu_s + t * 2 * Is;
     S* dgu_row = dgu_s + t * 2 * Is;
@@ -210,8 +211,8 @@ void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
         sg[h * Is + i] += xv * dg;
         su[h * Is + i] += xv * du;
       }
-      dx_s[t * H + h] = dxs;
-      acc[h] += dxs;
+      dx_s[t * H + h] = Store<S>(dxs);
+      acc[h] += Load(dx_s[t * H + h]);
     }
     for (int64_t h = 0; h < H; ++h) dx[t * H + h] = Store<S>(acc[h]);
   }

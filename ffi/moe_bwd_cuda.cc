@@ -53,13 +53,13 @@ ffi::Error MoeBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
   a.dw_down = out.dw_down.untyped_data();
   a.dws_gate = out.dws_gate.untyped_data(), a.dws_up = out.dws_up.untyped_data();
   a.dws_down = out.dws_down.untyped_data();
-  // xs and dy_routed are the two halves of `routed`; dx_routed (f32) is all of it.
+  // xs and dy_routed are the two halves of `routed`; dx_routed then takes xs's.
   auto* routed_rows = static_cast<char*>(out.routed.untyped_data());
   a.xs = routed_rows, a.dy_routed = routed_rows + out.routed.size_bytes() / 2;
-  a.dx_routed = reinterpret_cast<float*>(routed_rows);
+  a.dx_routed = routed_rows;
   a.dgu = out.dgu.untyped_data(), a.h = out.h.untyped_data();
   a.dgu_shared = out.dgu_shared.untyped_data(), a.h_shared = out.h_shared.untyped_data();
-  a.dx_shared = out.dx_shared.reinterpret_data<float>();
+  a.dx_shared = out.dx_shared.untyped_data();
   a.recompute = d.recompute;
   a.queue = out.queue.reinterpret_data<int32_t>();
   if (const char* err = cuda::LaunchMoeBwd(a, stream))

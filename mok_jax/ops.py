@@ -218,14 +218,14 @@ def bwd_results(dims: MoeDims, dtype, block_m, recompute=False) -> tuple:
       sds((H, Is), dtype),  # dws_up
       sds((Is, H), dtype),  # dws_down
       # scratch: [0] the token row of each routed row (xs), [1] dy_routed = w * dy; once the
-      # weight gradients have read both, dx of each routed row (f32, summed per token in j
-      # order) over the whole buffer
+      # weight gradients have read both, dx of each routed row (summed per token in j order,
+      # in f32) over [0]
       sds((2, R, H), dtype),
       sds((R, 2 * I), dtype),  # scratch: [dg | du] of each routed row, over gu
       sds((T, 2 * Is), dtype),  # scratch: [dg | du] of the shared expert, over gu_shared
       sds((R, I), dtype),  # scratch: h = silu(g) * u, recomputed from gu
       sds((T, Is), dtype),  # scratch: h of the shared expert
-      sds((T if Is else 0, H), jnp.float32),  # scratch: dx of the shared expert
+      sds((T if Is else 0, H), dtype),  # scratch: dx of the shared expert
       sds((_mok_cpu.tile_queue_ints(T, k, E),), jnp.int32),  # scratch: tile queues of the GEMMs
   )
 
@@ -263,11 +263,11 @@ def footprint(dims: MoeDims, dtype, block_m=Config.block_m, recompute=False) -> 
     residuals   = 4 (T k + E + 1 + R) + b R H + (1 - C) G
     fwd scratch = b (R H + R I + T Is + S T H) + 4 (ceil(T k / 1024) E + Q),
                   Q = 8 + ceil((T k + 127 E) / 64) + ceil(T / 128) (the tile queue)
-    bwd scratch = b (2 R H + R I + T Is) + 4 (S T H + Q) + C G
+    bwd scratch = b (2 R H + R I + T Is + S T H) + 4 Q + C G
 
-  The backward's f32 dx of each routed row (4 R H) takes the buffer of its xs and dy_routed (2
-  b R H >= 4 R H) once the weight gradients have read those, and its dgu (G) the buffer of gu:
-  the residual's, or with recompute the one it recomputes gu into.
+  The backward's dx of each routed row (b R H) takes the buffer of its xs once the weight
+  gradients have read that, and its dgu (G) the buffer of gu: the residual's, or with recompute
+  the one it recomputes gu into.
 
   Recompute moves G from the residuals, held from the forward until the backward, into the
   backward's scratch, which that call frees; the forward then does not write gu at all. The
@@ -284,7 +284,7 @@ def footprint(dims: MoeDims, dtype, block_m=Config.block_m, recompute=False) -> 
   return Footprint(
       residuals=4 * (T * k + E + 1 + R) + b * R * H + (1 - C) * G,
       fwd_scratch=b * (R * H + R * I + T * Is + S * T * H) + 4 * (chunks * E + Q),
-      bwd_scratch=b * (2 * R * H + R * I + T * Is) + 4 * (S * T * H + Q) + C * G,
+      bwd_scratch=b * (2 * R * H + R * I + T * Is + S * T * H) + 4 * Q + C * G,
   )
 
 

@@ -1,6 +1,6 @@
 // out[t] = round(sum_j w[t, j] * in[pos[t, j]] (j ascending) + extra[t]), in f32. Each token is
 // owned by one warp, so the order of the sum is fixed: no atomics. Forward: in = y_routed,
-// extra = the shared expert's output. Backward: in = dx_routed (f32), w = 1, extra = the shared
+// extra = the shared expert's output. Backward: in = dx_routed, w = 1, extra = the shared
 // expert's dx.
 #pragma once
 

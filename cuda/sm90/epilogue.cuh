@@ -336,51 +336,6 @@ __device__ __forceinline__ void SwiGLUBwdStaged(const GemmParams& p, const GemmT
   }
 }
 
-// f32 tiles (kStoreF32) through the staging tile, 32 columns (128 bytes of a row) a pass, out
-// with coalesced 16-byte stores.
-//
-// NOTES: from registers, a warp's 8-byte stores wrote 32 bytes in each of 8 rows; dx_r, the
-// backward's largest output (qwen3_30b: 1 GB), is written by this epilogue.
-template <class Smem, class Accum>
-__device__ __forceinline__ void StageAndStoreF32(const GemmParams& p, const GemmTile& tile,
-                                                 Smem& smem, int thread, WarpgroupPart part,
-                                                 const Accum& acc) {
-  constexpr int kCols = 32;
-  const int wg = thread / 128, wg_thread = thread % 128;
-  const uint32_t barrier = 2 + wg;
-  const uint32_t base = SmemAddr(smem.stage[wg]);
-  const int64_t row0 = part.row0;
-  float* out = static_cast<float*>(p.out0);
-  // Byte offset of 16-byte chunk q (4 columns) of staging row r. Pairs of chunks are swizzled
-  // by r % 4: the four rows of a half-warp's 8-byte stores (32 bytes each) meet distinct banks.
-  auto at = [](int r, int q) {
-    return static_cast<uint32_t>(r * 4 * kCols + ((((q >> 1) ^ (r & 3)) << 1 | (q & 1)) << 4));
-  };
-  const int r0 = AccRow(wg_thread), c0 = AccCol(wg_thread);
-  const int chunk = wg_thread % 8, r1 = wg_thread / 8;  // the copy: chunk of rows r1 + 16 q
-  CUTE_UNROLL
-  for (int pass = 0; pass < AccCols<Accum>() / kCols; ++pass) {
-    NamedBarrierSync(barrier, 128);  // the warpgroup's copies out of the last pass are done
-    CUTE_UNROLL
-    for (int j = 0; j < 8; ++j) {  // this thread's values v, v + 1 of the pass
-      const int v = 16 * pass + 2 * j;
-      const int col = AccColStep(v) - kCols * pass + c0;  // of the pass
-      StoreShared64(base + at(r0 + AccRowStep(v), col / 4) + (col % 4) * 4, acc(v), acc(v + 1));
-    }
-    NamedBarrierSync(barrier, 128);
-    const int64_t col = int64_t{tile.n_tile} * GemmConfig::kBlockN +
-                        part.part * AccCols<Accum>() + kCols * pass + 4 * chunk;
-    if (col < p.n) {
-      CUTE_UNROLL
-      for (int q = 0; q < kWarpgroupRows / 16; ++q) {
-        const int r = r1 + 16 * q;
-        if (row0 + r < tile.m_end)
-          StoreGlobal128(out + (row0 + r) * p.n_split + col, LoadShared128(base + at(r, chunk)));
-      }
-    }
-  }
-}
-
 // kTmaStore (the weight gradients): a consumer warpgroup's 64-row slab of the tile, rounded to
 // bf16, goes into its staging as eight (32 columns, 64 rows) boxes laid out as TMA writes them
 // with the 64-byte swizzle; the warpgroup then hands the slab to its storer, a thread of the
@@ -474,12 +429,8 @@ __device__ __forceinline__ void StoreSlab(const GemmParams& p, const SlabJob& jo
   BulkWaitRead<0>();
 }
 
-// The element that kStore (bf16) and kStoreF32 (f32) write.
-template <Epilogue kEpi>
-using PlainElement = std::conditional_t<kEpi == Epilogue::kStoreF32, float, __nv_bfloat16>;
-
 // A tail tile's tail (kTail; TailMma): warpgroup wg's two transposed 64 x kTailRows panels, in
-// the output's type (bf16, or f32 for dx_r), stored a value at a time (kTailRows rows, a few KB
+// bf16, stored a value at a time (kTailRows rows, a few KB
 // a tile). The padding rows after the group's last tail, up to m_end, then get zeros
 // (ZeroTailPadding) in every output of the tile's columns, as the padding rows of a tile that
 // multiplies them (zero rows of A) would: the backward reads gu and h of padding rows, and
@@ -513,9 +464,9 @@ __device__ __forceinline__ void StoreTail(const GemmParams& p, const GemmTile& t
       h[at] = __float2bfloat16_rn(Silu(g) * u);
     }
   } else {
-    // kStore (bf16, out0 | out1 at n_split) or kStoreF32 (f32, out0 only: n = n_split).
-    static_assert(Kind::kEpi == Epilogue::kStore || Kind::kEpi == Epilogue::kStoreF32);
-    using T = PlainElement<Kind::kEpi>;
+    // kStore: out0 | out1 at n_split.
+    static_assert(Kind::kEpi == Epilogue::kStore);
+    using T = __nv_bfloat16;
     const int64_t pitch = p.n_split;
     CUTE_UNROLL
     for (int half = 0; half < 2; ++half) {
@@ -532,8 +483,8 @@ __device__ __forceinline__ void StoreTail(const GemmParams& p, const GemmTile& t
 }
 
 // After the group's last tail's other stores (StoreTail): zeros, 16 bytes a store, over both
-// warpgroups, in the rows after that tail up to m_end, of the tile's chunks of 8 columns (4
-// for kStoreF32; kSwiGLU: of h, and of g and u in gu).
+// warpgroups, in the rows after that tail up to m_end, of the tile's chunks of 8 columns
+// (kSwiGLU: of h, and of g and u in gu).
 template <class Kind>
 __device__ __forceinline__ void ZeroTailPadding(const GemmParams& p, const GemmTile& tile,
                                                 int thread) {
@@ -543,7 +494,7 @@ __device__ __forceinline__ void ZeroTailPadding(const GemmParams& p, const GemmT
   auto* out1 = static_cast<__nv_bfloat16*>(p.out1);
   const int64_t zero0 = tile.m0 + tile.tail_at + kTailRows;
   constexpr int kTileCols = kEpi == Epilogue::kSwiGLU ? C::kBlockN / 2 : C::kBlockN;
-  constexpr int kChunkCols = 16 / sizeof(PlainElement<kEpi>);  // kSwiGLU: bf16 too
+  constexpr int kChunkCols = 8;  // bf16
   constexpr int kChunks = kTileCols / kChunkCols;
   const int cells = static_cast<int>(tile.m_end - zero0) * kChunks;  // under 128 rows' worth
   const uint4 zero = make_uint4(0, 0, 0, 0);
@@ -557,10 +508,9 @@ __device__ __forceinline__ void ZeroTailPadding(const GemmParams& p, const GemmT
         StoreGlobal128(out0 + row * 2 * p.n + p.n + c, zero);
       }
       StoreGlobal128(out1 + row * p.n + c, zero);
-    } else {  // kStore, kStoreF32 (n = n_split)
-      using T = PlainElement<kEpi>;
-      if (c < p.n_split) StoreGlobal128(static_cast<T*>(p.out0) + row * p.n_split + c, zero);
-      else StoreGlobal128(static_cast<T*>(p.out1) + row * p.n_split + c - p.n_split, zero);
+    } else {  // kStore
+      if (c < p.n_split) StoreGlobal128(out0 + row * p.n_split + c, zero);
+      else StoreGlobal128(out1 + row * p.n_split + c - p.n_split, zero);
     }
   }
 }
@@ -577,9 +527,7 @@ __device__ __forceinline__ void StoreTile(const GemmParams& p, const GemmTile& t
   static_assert(AccCols<Accum>() == 256 || AccCols<Accum>() == 128,
                 "a 64 x 256 or 64 x 128 wgmma atom per warpgroup");
   static_assert(!Kind::kTmaStore, "StageSlab");
-  if constexpr (kEpi == Epilogue::kStoreF32) {
-    StageAndStoreF32(p, tile, smem, thread, part, acc);
-  } else if constexpr (kEpi == Epilogue::kSwiGLUBwd) {
+  if constexpr (kEpi == Epilogue::kSwiGLUBwd) {
     SwiGLUBwdStaged(p, tile, smem, thread, part, acc, gu_ahead);
   } else {
     static_assert(Kind::kSched == Schedule::kRowsByGroup, "grouped outputs are TMA-stored");

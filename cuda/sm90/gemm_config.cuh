@@ -43,7 +43,6 @@ enum class Epilogue {
   // Columns [0, n_split) to out0, [n_split, n) to out1 (at column - n_split), rounded to bf16;
   // n_split is the row pitch of both.
   kStore,
-  kStoreF32,  // the same in f32 (out0 only)
   // Forward GEMM1: B = [w_gate tile (128 columns) | w_up tile (128 columns)]; out0 = gu
   // (rows, 2n) gets [g | u] rounded (null: gu is not stored), out1 = h (rows, n) gets
   // round(silu(g) * u) from f32 g, u.
@@ -92,7 +91,7 @@ struct GemmKind {
   // 2.83 ms).
   static constexpr bool kTmaStore = kEpi_ == Epilogue::kStore && kSched_ == Schedule::kGroupedK;
   // The bf16 outputs that leave through TMA stores (o0, o1): the weight gradients' (kTmaStore)
-  // and the forward's (StageAndStore); not the f32 dx_r nor the SwiGLU backward's.
+  // and the row-grouped ones' (StageAndStore: the forward's, dx_r); not the SwiGLU backward's.
   static constexpr bool kStoresByTma = kEpi_ == Epilogue::kStore || kEpi_ == Epilogue::kSwiGLU;
   // The weight gradients' stages are half as deep (32 of k) and twice as many, in the same
   // 144 KB: with 48 KB stages the producer could refill only one while the consumers held two,

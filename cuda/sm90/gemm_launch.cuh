@@ -320,7 +320,7 @@ using FwdGateUp = GemmKind<Major::K, Major::MN, Epilogue::kSwiGLU, Schedule::kRo
 using FwdDown = GemmKind<Major::K, Major::MN, Epilogue::kStore, Schedule::kRowsByGroup>;
 // Backward data gradients: dgu, h = SwiGLU'(dy_r @ w_down^T); dx_r = dgu @ [w_gate | w_up]^T.
 using BwdDown = GemmKind<Major::K, Major::K, Epilogue::kSwiGLUBwd, Schedule::kRowsByGroup>;
-using BwdGateUp = GemmKind<Major::K, Major::K, Epilogue::kStoreF32, Schedule::kRowsByGroup>;
+using BwdGateUp = GemmKind<Major::K, Major::K, Epilogue::kStore, Schedule::kRowsByGroup>;
 // Backward weight gradients: dW_g = A[rows of g]^T @ B[rows of g].
 using BwdWeights = GemmKind<Major::MN, Major::MN, Epilogue::kStore, Schedule::kGroupedK>;
 // The same in runs of tiles (ChainParams::run_tiles > 1).

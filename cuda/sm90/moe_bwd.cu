@@ -5,7 +5,7 @@
 //   dgu, h = SwiGLU'(dy_r @ w_down^T)                      BwdDown, dgu over gu
 //   dw_down = h^T @ dy_r, [dw_gate | dw_up] = xs^T @ dgu   BwdWeights, one CTA per
 //                                                          weight-gradient tile
-//   dx_r = dgu @ [w_gate | w_up]^T  (f32)                  BwdGateUp, over xs and dy_r
+//   dx_r = dgu @ [w_gate | w_up]^T  (rounded to bf16)      BwdGateUp, over xs
 //   dx = sum_j dx_r[pos] + shared dx                       CombineKernel
 //
 // Every reduction has a single owner and a fixed order: the same bits on every run.
@@ -37,7 +37,7 @@ struct MlpGrads {
   int64_t m, H, I;
   int64_t m_expected;  // the rows the launch choices expect used (GemmParams::m_expected)
   void *dgu, *h;      // scratch
-  float* dx_rows;     // (m, H)
+  void* dx_rows;      // (m, H)
   void *dw_gate, *dw_up, *dw_down;
 };
 
@@ -158,8 +158,13 @@ const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
       {a.x, gu_shared, a.dy, a.ws_gate, a.ws_up, a.ws_down, nullptr, nullptr, 128, 1, a.T, a.H,
        a.Is, a.T, a.dgu_shared, a.h_shared, a.dx_shared, a.dws_gate, a.dws_up, a.dws_down}};
   // dgu and h first; then the weight gradients, which write theirs, and dx_r, which reads the
-  // weights, each a launch of its own. dx_r comes last because its f32 rows take the buffer of
-  // xs and dy_r (2 R H bf16), which the weight gradients read: 4 R H bytes fewer a call.
+  // weights, each a launch of its own. dx_r comes last because its rows take the buffer of xs,
+  // which the weight gradients read.
+  //
+  // NOTES: until 2026-12-02 dx_r was f32 (4 R H bytes, over xs and dy_r both), and the
+  // combine summed f32 rows; each route's dx is now rounded to x's dtype, as each route's
+  // output is in the forward, which halves what dx_r writes and the combine reads (qwen3_30b:
+  // 1.1 GB each way a call). docs/performance.md, dx of each route in bf16.
   ChainParams down, dx;
   if (auto err = DataGradChains(mlps, mlp_count, &down, &dx)) return err;
   down.queue = a.queue + 1, dx.queue = a.queue + 3;
@@ -178,8 +183,9 @@ const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
   // backward's dx_r and weight gradients apart). Apart, dx_r runs in clusters of two where
   // experts have few rows (UseClusters), which a dual launch cannot.
   if (auto err = sm90::LaunchQueued<sm90::BwdGateUp, sm90::BwdGateUp>(dx, stream)) return err;
-  sm90::CombineKernel<float, bf16><<<static_cast<unsigned>(CeilDiv(a.T, 8)), 256, 0, stream>>>(
-      a.dx_routed, a.Is > 0 ? a.dx_shared : nullptr, a.pos, nullptr, a.T, k, H,
+  sm90::CombineKernel<bf16, bf16><<<static_cast<unsigned>(CeilDiv(a.T, 8)), 256, 0, stream>>>(
+      static_cast<const bf16*>(a.dx_routed),
+      a.Is > 0 ? static_cast<const bf16*>(a.dx_shared) : nullptr, a.pos, nullptr, a.T, k, H,
       static_cast<bf16*>(a.dx));
   return Check(cudaGetLastError());
 }
