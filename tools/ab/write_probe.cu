@@ -73,9 +73,10 @@ __global__ void TileKernel(uint4* out, int64_t row_tiles, int col_tiles, int64_t
 // The tiles along the row band again, each half tile (64 rows, 32 KB) staged by 128 threads
 // (a warpgroup: named barrier 1) into one of kSlabs slabs and stored by its first thread in
 // (kBoxCols, 64) boxes, one bulk group a half tile; a slab is staged again once the group that
-// read it last is done reading. A CTA takes tiles first, first + stride, ... (persistent CTAs:
-// blockIdx.x, gridDim.x).
-template <int kBoxCols, int kSlabs>
+// read it last is done reading. kInFlight > 0: a bulk group a box instead, at most kInFlight
+// of them unread when the next is issued (the stores a thread keeps queued at its SM). A CTA
+// takes tiles first, first + stride, ... (persistent CTAs: blockIdx.x, gridDim.x).
+template <int kBoxCols, int kSlabs, int kInFlight = 0>
 __device__ __forceinline__ void StoreTiles(const CUtensorMap& map, int64_t row_tiles,
                                            int col_tiles, uint32_t seed, uint4* slabs,
                                            int thread, int64_t first, int64_t stride) {
@@ -87,7 +88,13 @@ __device__ __forceinline__ void StoreTiles(const CUtensorMap& map, int64_t row_t
     const int64_t rt = t / col_tiles, ct = t % col_tiles;
     for (int h = 0; h < 2; ++h, ++half) {
       const int slab = half % kSlabs;
-      if (thread == 0) mok::sm90::BulkWaitRead<kSlabs - 1>();
+      if (thread == 0) {
+        if constexpr (kInFlight > 0) {
+          mok::sm90::BulkWaitRead<(kSlabs - 1) * kTileCols / kBoxCols>();
+        } else {
+          mok::sm90::BulkWaitRead<kSlabs - 1>();
+        }
+      }
       mok::sm90::NamedBarrierSync(1, kThreads);
       uint4* s = slabs + slab * kSlabUint4;
       for (int i = thread; i < kSlabUint4; i += kThreads) s[i] = v;
@@ -95,11 +102,14 @@ __device__ __forceinline__ void StoreTiles(const CUtensorMap& map, int64_t row_t
       mok::sm90::NamedBarrierSync(1, kThreads);
       if (thread == 0) {
         const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(s));
-        for (int c = 0; c < kTileCols; c += kBoxCols)
+        for (int c = 0; c < kTileCols; c += kBoxCols) {
+          if constexpr (kInFlight > 0) mok::sm90::BulkWaitRead<kInFlight - 1>();
           mok::sm90::TmaStore2d(&map, base + c * kHalfRows * 2,
                                 static_cast<int32_t>(ct * kTileCols + c),
                                 static_cast<int32_t>(rt * kTileRows + h * kHalfRows));
-        mok::sm90::BulkCommitGroup();
+          if constexpr (kInFlight > 0) mok::sm90::BulkCommitGroup();
+        }
+        if constexpr (kInFlight == 0) mok::sm90::BulkCommitGroup();
       }
     }
   }
@@ -136,7 +146,8 @@ __global__ void SetKernel(int* at, int value) { *at = value; }
 // kLoads 1 with kInFlight boxes in flight (at most kMaxInFlight) of kBoxPanels panels (8 KB
 // each; src_one: the map of one-panel boxes).
 constexpr int kMaxInFlight = 6;
-template <int kLoads, bool kSplit = false, int kInFlight = 3, int kBoxPanels = 2>
+template <int kLoads, bool kSplit = false, int kInFlight = 3, int kBoxPanels = 2,
+          int kStoresInFlight = 0>
 __global__ void __launch_bounds__(2 * kThreads)
     MixedKernel(const __grid_constant__ CUtensorMap out, const __grid_constant__ CUtensorMap src,
                 const __grid_constant__ CUtensorMap src_one, const uint4* src_plain,
@@ -163,8 +174,8 @@ __global__ void __launch_bounds__(2 * kThreads)
                         gridDim.x / 2);
       if (threadIdx.x == 0) atomicSub(storing, 1);
     } else {
-      StoreTiles<32, 2>(out, row_tiles, col_tiles, seed, smem, threadIdx.x, blockIdx.x,
-                        gridDim.x);
+      StoreTiles<32, 2, kStoresInFlight>(out, row_tiles, col_tiles, seed, smem, threadIdx.x,
+                                         blockIdx.x, gridDim.x);
     }
     if (threadIdx.x == 0) done = 1;
     return;
@@ -372,6 +383,12 @@ void Mixed(void* buf, int64_t rows, int64_t cols, int64_t row_tiles, int col_til
   run(MixedKernel<1, false, 6, 1>, "  beside TMA loads, 6 x 8 KB in flight", row_tiles, 0);
   run(MixedKernel<1, false, 2>, "  beside TMA loads, 2 x 16 KB in flight", row_tiles, 0);
   run(MixedKernel<1, false, 6>, "TMA loads alone, 6 x 16 KB in flight", 0, 60000);
+  run(MixedKernel<0, false, 3, 2, 2>, "TMA stores alone, at most 2 boxes unread", row_tiles, 0);
+  run(MixedKernel<1, false, 3, 2, 2>, "  beside TMA loads, 3 x 16 KB in flight", row_tiles, 0);
+  run(MixedKernel<0, false, 3, 2, 4>, "TMA stores alone, at most 4 boxes unread", row_tiles, 0);
+  run(MixedKernel<1, false, 3, 2, 4>, "  beside TMA loads, 3 x 16 KB in flight", row_tiles, 0);
+  run(MixedKernel<0, false, 3, 2, 1>, "TMA stores alone, at most 1 box unread", row_tiles, 0);
+  run(MixedKernel<1, false, 3, 2, 1>, "  beside TMA loads, 3 x 16 KB in flight", row_tiles, 0);
   run(MixedKernel<0, true>, "TMA stores alone, on the even half of the SMs", row_tiles, 0);
   run(MixedKernel<1, true>, "  beside TMA loads on the odd half, 3 x 16 KB in flight", row_tiles,
       0);
