@@ -9,7 +9,9 @@
 // take at best, and what their store path costs against plain stores (docs/performance.md,
 // What bounds dsv3). With `mixed`, only the storers' TMA stores beside loads from L2 by TMA (2
 // to 6 boxes in flight a CTA) or by plain loads, beside TMA loads on the other half of the SMs,
-// and those loads alone (MixedKernel): what loads beside the stores cost both.
+// and those loads alone (MixedKernel), and with the stores queueing at most 1, 2 or 4 boxes
+// unread at their SM: what loads beside the stores cost both, and what the stores' queue costs
+// the loads.
 //
 // Build (here or on the device): nvcc -std=c++17 -arch=sm_90a -O3 -Icuda/sm90 -o
 //   runs/probe/write_probe tools/ab/write_probe.cu cuda/sm90/tensor_map.cc; run:
