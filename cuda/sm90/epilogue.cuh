@@ -430,11 +430,10 @@ __device__ __forceinline__ void StoreSlab(const GemmParams& p, const SlabJob& jo
 }
 
 // A tail tile's tail (kTail; TailMma): warpgroup wg's two transposed 64 x kTailRows panels, in
-// bf16, stored a value at a time (kTailRows rows, a few KB
-// a tile). The padding rows after the group's last tail, up to m_end, then get zeros
-// (ZeroTailPadding) in every output of the tile's columns, as the padding rows of a tile that
-// multiplies them (zero rows of A) would: the backward reads gu and h of padding rows, and
-// multiplies them by zero.
+// bf16, stored a value at a time (kTailRows rows, a few KB a tile). The padding rows after the
+// group's last tail, up to m_end, then get zeros (ZeroTailPadding) in every output of the
+// tile's columns, as the padding rows of a tile that multiplies them (zero rows of A) would: the
+// backward reads gu and h of padding rows, and multiplies them by zero.
 template <class Kind, class TailAcc>
 __device__ __forceinline__ void StoreTail(const GemmParams& p, const GemmTile& tile, int thread,
                                           const TailAcc& acc0, const TailAcc& acc1) {
@@ -466,18 +465,18 @@ __device__ __forceinline__ void StoreTail(const GemmParams& p, const GemmTile& t
   } else {
     // kStore: out0 | out1 at n_split.
     static_assert(Kind::kEpi == Epilogue::kStore);
-    using T = __nv_bfloat16;
     const int64_t pitch = p.n_split;
     CUTE_UNROLL
     for (int half = 0; half < 2; ++half) {
       // Panels never straddle n_split (a multiple of 64).
       const int c0 = tile.n_tile * C::kBlockN + 64 * (wg + 2 * half) + r0;
       if (c0 - r0 >= p.n) continue;
-      T* out = c0 < p.n_split ? static_cast<T*>(p.out0) + row0 * pitch + c0
-                              : static_cast<T*>(p.out1) + row0 * pitch + (c0 - p.n_split);
+      __nv_bfloat16* out = c0 < p.n_split ? out0 + row0 * pitch + c0
+                                          : out1 + row0 * pitch + (c0 - p.n_split);
       CUTE_UNROLL
       for (int v = 0; v < 8; ++v)
-        out[(AccColStep(v) + v % 2) * pitch + AccRowStep(v)] = T(half ? acc1(v) : acc0(v));
+        out[(AccColStep(v) + v % 2) * pitch + AccRowStep(v)] =
+            __float2bfloat16_rn(half ? acc1(v) : acc0(v));
     }
   }
 }
