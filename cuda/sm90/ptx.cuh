@@ -147,10 +147,6 @@ __device__ __forceinline__ uint32_t LoadShared32(uint32_t addr) {
   return v;
 }
 
-__device__ __forceinline__ void StoreShared64(uint32_t addr, float lo, float hi) {
-  asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(lo), "f"(hi) : "memory");
-}
-
 __device__ __forceinline__ void StoreShared128(uint32_t addr, uint4 v) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y),
                "r"(v.z), "r"(v.w)
