@@ -25,6 +25,8 @@
 
 #include <cuda_runtime.h>
 
+#include "probe.cuh"
+
 namespace {
 
 constexpr int kLinesA = 4096;             // 512 KB of consecutive lines
@@ -32,63 +34,23 @@ constexpr int kPagesB = 2048;             // 4 GB of 2 MB pages
 constexpr int kLines = kLinesA + kPagesB;
 constexpr int64_t kPage = int64_t{2} << 20;
 
-#define CHECK(x)                                                   \
-  do {                                                             \
-    cudaError_t e = (x);                                           \
-    if (e != cudaSuccess) {                                        \
-      std::fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e)); \
-      std::exit(1);                                                \
-    }                                                              \
-  } while (0)
-
-__device__ __forceinline__ uint32_t SmId() {
-  uint32_t id;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
-  return id;
-}
-
-__device__ __forceinline__ uint64_t LoadCg(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
-// The buffer holds zeros, so each load's value, added to the next address, keeps the loads in
-// order without moving them.
 __global__ void __launch_bounds__(32) ChaseKernel(const uint8_t* base, const int64_t* offsets,
                                                   int target, int* smid_out,
                                                   uint16_t* miss, uint16_t* hit) {
   extern __shared__ int64_t offs[];  // kLines offsets, read before any timed load; a sink
-  if (SmId() != static_cast<uint32_t>(target)) return;
+  if (probe::SmId() != target) return;
   for (int i = threadIdx.x; i < kLines; i += 32) offs[i] = offsets[i];
   __syncwarp();
   if (threadIdx.x != 0) return;
-  *smid_out = static_cast<int>(SmId());
+  *smid_out = probe::SmId();
   for (int pass = 0; pass < 2; ++pass) {
     uint16_t* out = pass == 0 ? miss : hit;
     uint64_t carry = 0;
     for (int i = 0; i < kLines; ++i) {
-      const uint64_t* p = reinterpret_cast<const uint64_t*>(base + offs[i] + carry);
-      const int64_t t0 = clock64();
-      const uint64_t v = LoadCg(p);
-      // The store waits for the load's value and the warp issues in order: the clock is read
-      // after the line has arrived.
-      *reinterpret_cast<volatile uint64_t*>(&offs[kLines]) = v;
-      const int64_t d = clock64() - t0;
-      carry = v;  // zero, but the next address waits for it
-      out[i] = static_cast<uint16_t>(d > 65535 ? 65535 : d);
+      out[i] = probe::TimedLoad(reinterpret_cast<const uint64_t*>(base + offs[i] + carry), carry,
+                                reinterpret_cast<volatile uint64_t*>(&offs[kLines]));
     }
   }
-}
-
-__global__ void FlushKernel(const uint4* buf, int64_t n, uint32_t* sink) {
-  uint32_t acc = 0;
-  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    const uint4 v = __ldcg(buf + i);
-    acc ^= v.x ^ v.w;
-  }
-  if (acc == 0x12345678u) *sink = acc;  // keeps the loads
 }
 
 }  // namespace
@@ -112,12 +74,7 @@ int main(int argc, char** argv) {
   int64_t* d_offsets;
   CHECK(cudaMalloc(&d_offsets, kLines * sizeof(int64_t)));
   CHECK(cudaMemcpy(d_offsets, offsets.data(), kLines * sizeof(int64_t), cudaMemcpyHostToDevice));
-  const int64_t flush_bytes = int64_t{256} << 20;
-  uint4* flush;
-  uint32_t* sink;
-  CHECK(cudaMalloc(&flush, flush_bytes));
-  CHECK(cudaMemset(flush, 1, flush_bytes));
-  CHECK(cudaMalloc(&sink, 4));
+  const probe::L2Flush flush;
   int* d_smid;
   uint16_t *d_miss, *d_hit;
   CHECK(cudaMalloc(&d_smid, sms * sizeof(int)));
@@ -128,7 +85,7 @@ int main(int argc, char** argv) {
   const int smem = 120 * 1024;
   CHECK(cudaFuncSetAttribute(ChaseKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   for (int s = 0; s < sms; ++s) {
-    FlushKernel<<<sms * 8, 256>>>(flush, flush_bytes / 16, sink);
+    flush.Run(sms);
     ChaseKernel<<<sms, 32, smem>>>(base, d_offsets, s, d_smid + s, d_miss + int64_t{s} * kLines,
                                    d_hit + int64_t{s} * kLines);
     CHECK(cudaGetLastError());

@@ -12,17 +12,17 @@
 //      granules dealt out (a) in order to all CTAs, (b) each side's granules to that side's
 //      CTAs (near), (c) each side's granules to the other side's CTAs (far): the same bytes,
 //      TB/s as the median of REPS (default 9) launches of each, taken in turn.
-// Build: nvcc -std=c++17 -arch=sm_90a -O3 -diag-suppress 550 -o runs/probe/l2_side_stream
-//   tools/ab/l2_side_stream.cu
+// Build: nvcc -std=c++17 -arch=sm_90a -O3 -o runs/probe/l2_side_stream tools/ab/l2_side_stream.cu
 // Run: runs/probe/l2_side_stream
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
 
 #include <cuda_runtime.h>
+
+#include "probe.cuh"
 
 namespace {
 
@@ -34,61 +34,31 @@ constexpr int kChunk = 8192;          // step 2: granules a pass
 constexpr int kStreamThreads = 512;   // step 3: a CTA an SM
 constexpr int kUnroll = 16;           // 16-byte loads in flight a thread: 128 KB a CTA
 
-#define CHECK(x)                                                   \
-  do {                                                             \
-    cudaError_t e = (x);                                           \
-    if (e != cudaSuccess) {                                        \
-      std::fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e)); \
-      std::exit(1);                                                \
-    }                                                              \
-  } while (0)
 
-__device__ __forceinline__ int SmId() {
-  uint32_t id;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
-  return static_cast<int>(id);
-}
-
-// The CTA on SM `target` (one CTA an SM) times a dependent miss on the first line of granules
-// first, first + 1, ..., first + count - 1 of `base` (zeros: each value, added to the next
-// address, keeps the loads in order).
+// The CTA on SM `target` (one CTA an SM) times a load of the first line of granules first,
+// first + 1, ..., first + count - 1 of `base`, each waiting for the one before.
 __global__ void __launch_bounds__(32) ChaseKernel(const uint8_t* base, int first, int count,
                                                   int target, uint16_t* lat) {
-  __shared__ uint64_t sink;  // written, never read: the store that waits for each load
-  if (SmId() != target || threadIdx.x != 0) return;
+  __shared__ uint64_t sink;
+  if (probe::SmId() != target || threadIdx.x != 0) return;
   uint64_t carry = 0;
   for (int i = 0; i < count; ++i) {
-    const auto* p =
-        reinterpret_cast<const uint64_t*>(base + int64_t{first + i} * kGranule + carry);
-    const int64_t t0 = clock64();
-    uint64_t v;
-    asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    *reinterpret_cast<volatile uint64_t*>(&sink) = v;  // waits for the line
-    const int64_t d = clock64() - t0;
-    carry = v;
-    lat[i] = static_cast<uint16_t>(d > 65535 ? 65535 : d);
+    lat[i] = probe::TimedLoad(
+        reinterpret_cast<const uint64_t*>(base + int64_t{first + i} * kGranule + carry), carry,
+        &sink);
   }
-}
-
-__global__ void FlushKernel(const uint4* buf, int64_t n, uint32_t* sink) {
-  uint32_t acc = 0;
-  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    const uint4 v = __ldcg(buf + i);
-    acc ^= v.x ^ v.w;
-  }
-  if (acc == 0x12345678u) *sink = acc;
 }
 
 // Step 3. lists[side] holds that side's granules; a CTA on side s (side_of[smid]) at rank
 // rank_of[smid] among the CTAs of its side reads granules list[rank], list[rank + count], ...
-// of list `pick[s]` (count = the CTAs that read it). mode 0 passes one list of all granules
-// for both sides, with every CTA's rank and count 132.
+// (count: the CTAs of its side) of its side's list, or with swap = 1 of the other side's. The
+// stream in order passes one list of all granules as side 0's, every CTA on side 0 at rank
+// smid, count the SMs.
 __global__ void __launch_bounds__(kStreamThreads, 1)
     StreamKernel(const uint4* base, const int32_t* list0, int n0, const int32_t* list1, int n1,
                  const int8_t* side_of, const int16_t* rank_of, int count0, int count1,
                  int swap, uint32_t* sink) {
-  const int sm = SmId();
+  const int sm = probe::SmId();
   const int side = side_of[sm] ^ swap;
   const int32_t* list = side ? list1 : list0;
   const int n = side ? n1 : n0;
@@ -119,11 +89,6 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   if (acc == 0x9e3779b9u) *sink = acc;
 }
 
-float Median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 }  // namespace
 
 int main() {
@@ -133,19 +98,14 @@ int main() {
   uint8_t* base;
   CHECK(cudaMalloc(&base, kBufferBytes));
   CHECK(cudaMemset(base, 0, kBufferBytes));
-  const int64_t flush_bytes = int64_t{256} << 20;
-  uint4* flush;
-  uint32_t* sink;
-  CHECK(cudaMalloc(&flush, flush_bytes));
-  CHECK(cudaMemset(flush, 1, flush_bytes));
-  CHECK(cudaMalloc(&sink, 4));
+  const probe::L2Flush flush;
   const int chase_smem = 120 * 1024;  // one CTA an SM
   CHECK(cudaFuncSetAttribute(ChaseKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              chase_smem));
   uint16_t* d_lat;
   CHECK(cudaMalloc(&d_lat, int64_t{std::max(sms * kGroupGranules, kGranules)} * 2));
   auto chase = [&](int first, int count, int target, uint16_t* out) {
-    FlushKernel<<<sms * 8, 256>>>(flush, flush_bytes / 16, sink);
+    flush.Run(sms);
     ChaseKernel<<<sms, 32, chase_smem>>>(base, first, count, target, out);
     CHECK(cudaGetLastError());
   };
@@ -227,11 +187,11 @@ int main() {
     if (mode == 0) {
       StreamKernel<<<sms, kStreamThreads, stream_smem>>>(
           reinterpret_cast<const uint4*>(base), d_all, kGranules, d_all, kGranules, d_zero_side,
-          d_rank_all, sms, sms, 0, sink);
+          d_rank_all, sms, sms, 0, flush.sink);
     } else {
       StreamKernel<<<sms, kStreamThreads, stream_smem>>>(
           reinterpret_cast<const uint4*>(base), d_l0, n0, d_l1, n1, d_side, d_rank, count[0],
-          count[1], mode == 2 ? 1 : 0, sink);
+          count[1], mode == 2 ? 1 : 0, flush.sink);
     }
   };
   // Mode 2 hands side s's CTAs the other side's list: its count must be the CTAs reading it.
@@ -258,7 +218,7 @@ int main() {
   const char* names[3] = {"granules in order to all SMs", "each side's granules to its own SMs",
                           "each side's granules to the other side's SMs"};
   for (int mode = 0; mode < 3; ++mode) {
-    const float t = Median(ms[mode]);
+    const float t = probe::Median(ms[mode]);
     std::printf("  %-46s %7.3f ms  %5.2f TB/s\n", names[mode], t, kBufferBytes / t / 1e9);
   }
   return 0;

@@ -27,10 +27,13 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
+#include "probe.cuh"
 #include "ptx.cuh"
 #include "tensor_map.h"
 
 namespace {
+
+using probe::Median;
 
 constexpr int kTileRows = 128, kTileCols = 256;  // bf16: a row piece is 512 bytes, 32 uint4
 constexpr int kThreads = 128;                    // a warpgroup a tile, as the weight gradients
@@ -304,19 +307,6 @@ bool Make4dMap(CUtensorMap* map, void* base, int64_t cols, int64_t rows) {
                 CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-float Median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-#define CHECK(x)                                                                   \
-  do {                                                                             \
-    cudaError_t e = (x);                                                           \
-    if (e != cudaSuccess) {                                                        \
-      std::fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e));                 \
-      std::exit(1);                                                                \
-    }                                                                              \
-  } while (0)
 
 template <class Launch>
 float TimeMs(Launch launch, int reps) {
