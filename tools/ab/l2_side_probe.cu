@@ -2,8 +2,9 @@
 // and which side each 128-byte line of memory belongs to. Nsight Compute finds the link
 // between the partitions (lts__ltcfabric2ltc_cycles_active) 90-95% busy in the forward MLPs,
 // the SwiGLU backward and dx_r of dsv3, and 90% in a plain stream of TMA stores
-// (docs/performance.md, What bounds dsv3): if lines are homed by an address function a kernel
-// can compute, CTAs could read mostly the lines of their own side.
+// (docs/performance.md, The link between the two L2 partitions): if lines are homed by an
+// address function a kernel can compute, CTAs could read mostly the lines of their own side
+// (what that gives a plain read, tools/ab/l2_side_stream.cu measured: 3%).
 //
 // For each SM in turn (a launch of one CTA an SM, only the CTA on the target SM working; a read
 // of a buffer four times L2's size between launches, so that the lines are not in L2), one

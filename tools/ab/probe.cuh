@@ -1,6 +1,6 @@
 // What the standalone probes of tools/ab (write_probe.cu, l2_side_probe.cu, l2_side_stream.cu)
-// share: a CUDA call's check, a median, the SM a thread runs on, and a read of a buffer larger
-// than L2 so that lines read before miss again.
+// share: a CUDA call's check, a median, the SM a thread runs on, a timed dependent load, and a
+// read of a buffer larger than L2 so that lines read before miss again.
 #pragma once
 
 #include <algorithm>
