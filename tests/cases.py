@@ -34,7 +34,8 @@ F32_RTOL = 1e-5
 # of y (2**-8 relative) where f32 and float64 land on opposite sides of a bf16 rounding boundary.
 BF16_RTOL = 1e-2
 # bf16 gradients: the backward also rounds w * dy, dg, du and each route's dx to bf16, and every
-# gradient once at the end; the oracle's backward is not rounded (worst seen over seeds: 1.0e-2, in dw_down).
+# gradient once at the end; the oracle's backward is not rounded (worst seen over seeds: 1.0e-2,
+# in dw_down).
 BF16_GRAD_RTOL = 3e-2
 RTOL = {F32: F32_RTOL, BF16: BF16_RTOL}
 GRAD_RTOL = {F32: F32_RTOL, BF16: BF16_GRAD_RTOL}

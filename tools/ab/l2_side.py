@@ -33,14 +33,14 @@ def groups(lat):
 
 
 def gf2_fit(bits, y):
-  """The XOR of a subset of `bits` columns (plus a constant) that agrees with y on the most
-  rows, by Gaussian elimination on the rows that a first solve leaves consistent; returns
-  (mask over the columns, constant, fraction of rows matched)."""
+  """An XOR of a subset of `bits` columns (plus a constant) equal to y, by Gaussian
+  elimination over GF(2) on the rows in order: exact where y is such an XOR, else the solution
+  the first independent rows give; returns (mask over the columns, constant, fraction of rows
+  it matches), the fraction saying how well an XOR fits."""
   a = np.concatenate([bits, np.ones((bits.shape[0], 1), np.uint8)], axis=1) % 2
   n = a.shape[1]
-  rows = np.concatenate([a, y[:, None] % 2], axis=1).astype(np.uint8)
+  m = np.concatenate([a, y[:, None] % 2], axis=1).astype(np.uint8)
   pivots, r = [], 0
-  m = rows.copy()
   for col in range(n):
     sel = np.nonzero(m[r:, col])[0]
     if len(sel) == 0:

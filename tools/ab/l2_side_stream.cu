@@ -119,7 +119,8 @@ int main() {
     double mean = 0;
     for (int s = 0; s < sms; ++s) mean += g[s * kGroupGranules + i];
     mean /= sms;
-    for (int s = 0; s < sms; ++s) centred[s * kGroupGranules + i] = g[s * kGroupGranules + i] - mean;
+    for (int s = 0; s < sms; ++s)
+      centred[s * kGroupGranules + i] = g[s * kGroupGranules + i] - mean;
   }
   std::vector<int8_t> side_of(sms);
   std::vector<int16_t> rank_of(sms);
