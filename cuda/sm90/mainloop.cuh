@@ -264,19 +264,24 @@ struct NoTail {
 
 // `extra` adds its own wgmmas on stage s to each k-step's batch (step(s, first)) and fences its
 // accumulators with acc's (fence()): a tail tile's (TailMma).
-template <class Kind, int kClusterM, class Mma, class FragA, class FragB, class Smem, class Accum,
-          class Ring, class Extra = NoTail>
+// kLastK16: the k16 blocks of the last k-step that are multiplied; a weight-gradient tile's
+// last ones may hold only padding rows (GemmTile::idle_k16). A compile-time count, peeled off
+// the loop: a run-time guard around the wgmmas made ptxas serialize them (C7520).
+template <class Kind, int kClusterM, int kLastK16, class Mma, class FragA, class FragB,
+          class Smem, class Accum, class Ring, class Extra = NoTail>
 __device__ __forceinline__ void MmaSteps(Mma& mma, const FragA& tCrA, const FragB& tCrB,
                                          Smem& smem, int num_k, bool fixed, bool releaser,
                                          Accum& acc, Ring& it, Extra extra = {}) {
   using namespace cute;
+  constexpr int kK16 = decltype(size<2>(tCrA))::value;
+  static_assert(kLastK16 >= 1 && kLastK16 <= kK16);
   if (num_k == 0) {  // an empty group: its weight gradient is zero
     clear(acc);
     return;
   }
   mma.accumulate_ = GMMA::ScaleOut::Zero;
   int previous = 0;
-  for (int kt = 0; kt < num_k; ++kt) {
+  auto step = [&](int kt, auto k16) __attribute__((always_inline)) {
     const int s = StageOf<Kind>(it, kt, fixed);
     BarrierWait(&smem.full[s], PhaseOf<Kind>(it, s));
     Advance<Kind>(it, s, fixed);
@@ -284,7 +289,7 @@ __device__ __forceinline__ void MmaSteps(Mma& mma, const FragA& tCrA, const Frag
     extra.fence();
     warpgroup_arrive();
     CUTE_UNROLL
-    for (int kb = 0; kb < size<2>(tCrA); ++kb) {
+    for (int kb = 0; kb < decltype(k16)::value; ++kb) {
       gemm(mma, tCrA(_, _, kb, s), tCrB(_, _, kb, s), acc);
       mma.accumulate_ = GMMA::ScaleOut::One;
     }
@@ -296,11 +301,28 @@ __device__ __forceinline__ void MmaSteps(Mma& mma, const FragA& tCrA, const Frag
     extra.fence();
     if (kt > 0 && releaser) ReleaseStage<kClusterM>(&smem.empty[previous]);
     previous = s;
+  };
+  if constexpr (kLastK16 == kK16) {
+    for (int kt = 0; kt < num_k; ++kt) step(kt, Int<kK16>{});
+  } else {
+    for (int kt = 0; kt + 1 < num_k; ++kt) step(kt, Int<kK16>{});
+    step(num_k - 1, Int<kLastK16>{});
   }
   warpgroup_wait<0>();
   warpgroup_fence_operand(acc);
   extra.fence();
   if (releaser) ReleaseStage<kClusterM>(&smem.empty[previous]);  // may be refilled now
+}
+
+// f(Int<used>{}) for the run-time `used` in [1, kN].
+template <int kN, class F>
+__device__ __forceinline__ void WithK16(int used, F f) {
+  if constexpr (kN == 1) {
+    f(cute::Int<1>{});
+  } else {
+    if (used == kN) f(cute::Int<kN>{});
+    else WithK16<kN - 1>(used, f);
+  }
 }
 
 // A tail tile's extra MMAs for one consumer warpgroup (kTail): the tail's kTailRows rows times
@@ -376,8 +398,14 @@ __device__ __forceinline__ void MmaTile(const GemmTile& tile, Smem& smem, int th
   auto thr = mma.get_thread_slice(thread);
   Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // (MMA, MMA_M, MMA_K, PIPE)
   Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));  // (MMA, MMA_N, MMA_K, PIPE)
-  MmaSteps<Kind, kClusterM>(mma, tCrA, tCrB, smem, tile.num_k, tile.fixed_stages,
-                            thread % 128 == 0, acc, it, extra);
+  constexpr int kK16 = Kind::kBlockK / 16;
+  auto steps = [&](auto last) __attribute__((always_inline)) {
+    MmaSteps<Kind, kClusterM, decltype(last)::value>(mma, tCrA, tCrB, smem, tile.num_k,
+                                                     tile.fixed_stages, thread % 128 == 0, acc,
+                                                     it, extra);
+  };
+  if constexpr (Kind::kSched == Schedule::kGroupedK) WithK16<kK16>(kK16 - tile.idle_k16, steps);
+  else steps(Int<kK16>{});
 }
 
 // A split tile, for tiles with at most 64 rows (half) or at most half of their columns (narrow)
@@ -417,8 +445,8 @@ __device__ __forceinline__ void MmaTileSplit(const GemmTile& tile, Smem& smem, i
   auto thr = mma.get_thread_slice(wg_thread);
   Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA_part));
   Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB_part));
-  MmaSteps<Kind, kClusterM>(mma, tCrA, tCrB, smem, tile.num_k, false, wg_thread == 0, acc, it,
-                            extra);
+  MmaSteps<Kind, kClusterM, Kind::kBlockK / 16>(mma, tCrA, tCrB, smem, tile.num_k, false,
+                                                wg_thread == 0, acc, it, extra);
 }
 
 }  // namespace mok::sm90

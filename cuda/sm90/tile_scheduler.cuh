@@ -22,6 +22,9 @@ struct GemmTile {
   int64_t m_end;    // rows of the output that exist: stores stop there
   int64_t k_begin;  // kGroupedK: first routed row of the group
   int num_k;        // k-steps of the GemmKind's kBlockK
+  // kGroupedK: the k16 blocks at the end of the last k-step past the group's used rows, whose
+  // MMAs would multiply only padding rows (zeros) and are not issued (MmaSteps).
+  int idle_k16;
   int row_tile;     // kRowsByGroup: the row tile among all groups' (ScanGroupTiles numbering)
   bool half;        // only rows [m0, m0 + 64) are the group's
   bool narrow;      // only the first half of the tile's columns are in range
@@ -200,6 +203,7 @@ __device__ __forceinline__ GemmTile BlankTile() {
   t.tail_at = 0;
   t.fixed_stages = false;
   t.keep_b = false;
+  t.idle_k16 = 0;
   t.k_begin = 0;
   t.group = 0;
   return t;
@@ -251,6 +255,10 @@ __device__ __forceinline__ GemmTile ScheduleTile(const GemmParams& p, const int3
     const int64_t k_end = used_end ? used_end[t.group]
                           : offsets ? offsets[t.group + 1] : p.m_total;
     t.num_k = static_cast<int>((k_end - t.k_begin + kBlockK - 1) / kBlockK);
+    // NOTES: dsv3's 128 +- 11 routes an expert end half of its weight-gradient tiles in a
+    // 64-deep k-step of 1-22 used rows, which multiplied 64.
+    const int last_rows = static_cast<int>(k_end - t.k_begin) - (t.num_k - 1) * kBlockK;
+    t.idle_k16 = t.num_k > 0 ? (kBlockK - (last_rows + 15) / 16 * 16) / 16 : 0;
   }
   return t;
 }
