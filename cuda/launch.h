@@ -32,7 +32,8 @@ struct MoeFwdArgs {
   void* gu;               // (R, 2I) bf16 residual; null with Config.recompute (not written)
   void* y_routed;         // (R, H) bf16
   void* gu_shared;        // (T, 2Is) bf16, like gu (null with recompute)
-  void* xs;               // scratch (R, H) bf16: gathered token rows, zero padding rows
+  void* xs;               // (R, H) bf16: gathered token rows, zero padding rows (a residual
+                          // without recompute, else scratch)
   void* h;                // scratch (R, I) bf16: silu(g) * u
   void* h_shared;         // scratch (T, Is) bf16
   void* y_shared;         // scratch (T, H) bf16 (empty when Is = 0)
@@ -71,7 +72,8 @@ struct MoeBwdArgs {
   void* dws_down;         // (Is, H)
   // xs and dy_routed are live until the weight gradients have read them; dx_routed, written
   // after, may lie over one of them (the FFI handler gives it xs's buffer).
-  void* xs;               // scratch (R, H) bf16
+  void* xs;               // (R, H) bf16: the residual's (xs_saved), else scratch to gather into
+  bool xs_saved;          // xs holds the forward's gathered rows (without recompute)
   void* dy_routed;        // scratch (R, H) bf16
   void* dx_routed;        // scratch (R, H) bf16
   void* dgu;              // scratch (R, 2I) bf16; may be gu (each tile reads its g, u first)

@@ -95,10 +95,11 @@ ffi::ErrorOr<MoeDims> CheckInputs(const char* target, const MoeInputs& in, int64
 
 namespace {
 
-// gu and gu_shared, wherever the mode puts them: a shape that belongs to the other mode is most
-// likely residuals of a forward called with another `recompute`, so the message says which.
-ffi::Error CheckGu(const char* target, const char* name, ffi::AnyBuffer b, ffi::DataType dtype,
-                   int64_t rows, int64_t cols, bool recompute) {
+// A buffer whose rows the mode sets (gu, gu_shared, xs and the forward's xs scratch): a shape
+// that belongs to the other mode is most likely residuals of a forward called with another
+// `recompute`, so the message says which.
+ffi::Error CheckByMode(const char* target, const char* name, ffi::AnyBuffer b,
+                       ffi::DataType dtype, int64_t rows, int64_t cols, bool recompute) {
   ffi::Error err = CheckBuffer(target, name, b, dtype, {rows, cols});
   if (err.success()) return err;
   return ffi::Error::InvalidArgument(err.message() + " (recompute = " +
@@ -108,14 +109,15 @@ ffi::Error CheckGu(const char* target, const char* name, ffi::AnyBuffer b, ffi::
 ffi::Error CheckResiduals(const char* target, const MoeDims& d, ffi::DataType dtype,
                           const MoeResiduals& r) {
   const ffi::DataType s32 = ffi::DataType::S32;
-  const int64_t gu_rows = d.recompute ? 0 : d.R, gu_shared_rows = d.recompute ? 0 : d.T;
+  const int64_t saved_rows = d.recompute ? 0 : d.R, gu_shared_rows = d.recompute ? 0 : d.T;
   for (auto err : {CheckBuffer(target, "pos", r.pos, s32, {d.T, d.k}),
                    CheckBuffer(target, "offsets", r.offsets, s32, {d.E + 1}),
                    CheckBuffer(target, "rows", r.rows, s32, {d.R}),
-                   CheckGu(target, "gu", r.gu, dtype, gu_rows, 2 * d.I, d.recompute),
+                   CheckByMode(target, "gu", r.gu, dtype, saved_rows, 2 * d.I, d.recompute),
                    CheckBuffer(target, "y_routed", r.y_routed, dtype, {d.R, d.H}),
-                   CheckGu(target, "gu_shared", r.gu_shared, dtype, gu_shared_rows, 2 * d.Is,
-                           d.recompute)}) {
+                   CheckByMode(target, "gu_shared", r.gu_shared, dtype, gu_shared_rows,
+                               2 * d.Is, d.recompute),
+                   CheckByMode(target, "xs", r.xs, dtype, saved_rows, d.H, d.recompute)}) {
     if (err.failure()) return err;
   }
   return ffi::Error::Success();
@@ -131,7 +133,8 @@ ffi::Error CheckFwdResults(const MoeDims& d, ffi::DataType dtype, const MoeFwdRe
                                Describe(ydt, out.y.dimensions()));
   if (auto err = CheckBuffer(target, "y", out.y, ydt, {d.T, d.H}); err.failure()) return err;
   if (auto err = CheckResiduals(target, d, dtype, out.res); err.failure()) return err;
-  for (auto err : {CheckBuffer(target, "xs", out.xs, dtype, {d.R, d.H}),
+  for (auto err : {CheckByMode(target, "xs_scratch", out.xs_scratch, dtype,
+                               d.recompute ? d.R : 0, d.H, d.recompute),
                    CheckBuffer(target, "h", out.h, dtype, {d.R, d.I}),
                    CheckBuffer(target, "h_shared", out.h_shared, dtype, {d.T, d.Is}),
                    CheckBuffer(target, "y_shared", out.y_shared, dtype, {d.Is > 0 ? d.T : 0, d.H}),
@@ -160,7 +163,8 @@ ffi::Error CheckBwdArgs(const MoeDims& d, ffi::DataType dtype, ffi::AnyBuffer dy
                    CheckBuffer(target, "dws_gate", out.dws_gate, dtype, {d.H, d.Is}),
                    CheckBuffer(target, "dws_up", out.dws_up, dtype, {d.H, d.Is}),
                    CheckBuffer(target, "dws_down", out.dws_down, dtype, {d.Is, d.H}),
-                   CheckBuffer(target, "routed", out.routed, dtype, {2, d.R, d.H}),
+                   CheckBuffer(target, "xs", out.xs, dtype, {d.R, d.H}),
+                   CheckBuffer(target, "dy_routed", out.dy_routed, dtype, {d.R, d.H}),
                    CheckBuffer(target, "dgu", out.dgu, dtype, {d.R, 2 * d.I}),
                    CheckBuffer(target, "dgu_shared", out.dgu_shared, dtype, {d.T, 2 * d.Is}),
                    CheckBuffer(target, "h", out.h, dtype, {d.R, d.I}),

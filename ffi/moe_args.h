@@ -37,8 +37,8 @@ struct MoeInputs {
   ffi::AnyBuffer ws_down;  // (Is, H)
 };
 
-// What the forward saves for the backward (mok_jax.ops.Residuals). With recompute, gu and
-// gu_shared have zero rows.
+// What the forward saves for the backward (mok_jax.ops.Residuals). With recompute, gu,
+// gu_shared and xs have zero rows.
 struct MoeResiduals {
   ffi::AnyBuffer pos;        // (T, k) s32: routed row of route (t, j), -1 if invalid
   ffi::AnyBuffer offsets;    // (E + 1) s32: first routed row of expert e, multiple of block_m
@@ -46,12 +46,14 @@ struct MoeResiduals {
   ffi::AnyBuffer gu;         // (R, 2I) like x: [x @ w_gate | x @ w_up] before the activation
   ffi::AnyBuffer y_routed;   // (R, H) like x: unweighted expert output
   ffi::AnyBuffer gu_shared;  // (T, 2Is) like x
+  ffi::AnyBuffer xs;         // (R, H) like x: token row of each routed row, 0 padding
 };
 
 struct MoeFwdResults {
   ffi::AnyBuffer y;  // (T, H) like x, or f32 (a partial sum reduced further)
   MoeResiduals res;
-  ffi::AnyBuffer xs;        // scratch (R, H) like x: token row of each routed row, 0 padding
+  // scratch (R, H) like x with recompute, whose residual xs has no rows; (0, H) else.
+  ffi::AnyBuffer xs_scratch;
   ffi::AnyBuffer h;         // scratch (R, I) like x: silu(g) * u
   ffi::AnyBuffer h_shared;  // scratch (T, Is) like x
   ffi::AnyBuffer y_shared;  // scratch (T, H) like x, (0, H) when Is = 0: shared output
@@ -68,9 +70,11 @@ struct MoeBwdResults {
   ffi::AnyBuffer dws_gate;    // (H, Is)
   ffi::AnyBuffer dws_up;      // (H, Is)
   ffi::AnyBuffer dws_down;    // (Is, H)
-  // scratch (2, R, H) like x: [0] xs, the token row of each routed row, [1] dy_routed,
-  // w[t, j] * dy[t]; once the weight gradients have read them, dx_routed (R, H) over [0].
-  ffi::AnyBuffer routed;
+  // scratch (R, H) like x: xs, the token row of each routed row (without recompute over the
+  // residual xs, mok_jax.ops.bwd_aliases), then dx_routed once the weight gradients have read
+  // xs; and dy_routed, w[t, j] * dy[t].
+  ffi::AnyBuffer xs;
+  ffi::AnyBuffer dy_routed;
   // [dg | du] over [g | u]: without recompute these alias the residuals gu and gu_shared
   // (mok_jax.ops.bwd_aliases); with recompute gu and gu_shared are recomputed into them first.
   ffi::AnyBuffer dgu;         // scratch (R, 2I) like x
@@ -121,7 +125,8 @@ auto BindMoeFwd(Binding binding) {
       .template Ret<ffi::AnyBuffer>()            // gu (R, 2I); (0, 2I) with recompute
       .template Ret<ffi::AnyBuffer>()            // y_routed (R, H)
       .template Ret<ffi::AnyBuffer>()            // gu_shared (T, 2Is); (0, 2Is) with recompute
-      .template Ret<ffi::AnyBuffer>()            // scratch xs (R, H)
+      .template Ret<ffi::AnyBuffer>()            // xs (R, H); (0, H) with recompute
+      .template Ret<ffi::AnyBuffer>()            // scratch xs (0, H); (R, H) with recompute
       .template Ret<ffi::AnyBuffer>()            // scratch h (R, I)
       .template Ret<ffi::AnyBuffer>()            // scratch h_shared (T, Is)
       .template Ret<ffi::AnyBuffer>()            // scratch y_shared (T or 0, H)
@@ -150,6 +155,7 @@ auto BindMoeBwd(Binding binding) {
       .template Arg<ffi::AnyBuffer>()            // gu (R, 2I); (0, 2I) with recompute
       .template Arg<ffi::AnyBuffer>()            // y_routed (R, H)
       .template Arg<ffi::AnyBuffer>()            // gu_shared (T, 2Is); (0, 2Is) with recompute
+      .template Arg<ffi::AnyBuffer>()            // xs (R, H); (0, H) with recompute
       .template Ret<ffi::AnyBuffer>()            // dx (T, H)
       .template Ret<ffi::AnyBuffer>()            // dweights (T, k) f32
       .template Ret<ffi::AnyBuffer>()            // dw_gate (E, H, I)
@@ -158,7 +164,8 @@ auto BindMoeBwd(Binding binding) {
       .template Ret<ffi::AnyBuffer>()            // dws_gate (H, Is)
       .template Ret<ffi::AnyBuffer>()            // dws_up (H, Is)
       .template Ret<ffi::AnyBuffer>()            // dws_down (Is, H)
-      .template Ret<ffi::AnyBuffer>()            // scratch xs, dy_routed (2, R, H); dx_routed
+      .template Ret<ffi::AnyBuffer>()            // scratch xs (R, H), over xs; dx_routed
+      .template Ret<ffi::AnyBuffer>()            // scratch dy_routed (R, H)
       .template Ret<ffi::AnyBuffer>()            // scratch dgu (R, 2I), over gu
       .template Ret<ffi::AnyBuffer>()            // scratch dgu_shared (T, 2Is), over gu_shared
       .template Ret<ffi::AnyBuffer>()            // scratch h (R, I)

@@ -85,9 +85,9 @@ void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
   // (recompute, or XLA's alias of the residual), else into a buffer of their own.
   const S* gu = (d.recompute ? out.dgu : res.gu).reinterpret_data<S>();
   const S* y_routed = res.y_routed.reinterpret_data<S>();
-  // routed[1] holds dy_r; routed[0] is the GPU's xs, which these loops read from x instead,
-  // and then dx_r, as on the GPU.
-  S* dy_r = out.routed.reinterpret_data<S>() + d.R * H;
+  // out.xs is the GPU's xs (the residual's buffer, without recompute), which these loops read
+  // from x instead; it then takes dx_r, as on the GPU.
+  S* dy_r = out.dy_routed.reinterpret_data<S>();
   S* dgu = out.dgu.reinterpret_data<S>();
   float* dweights = out.dweights.reinterpret_data<float>();
 
@@ -154,7 +154,7 @@ void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
     }
   }
 
-  S* dx_r = out.routed.reinterpret_data<S>();
+  S* dx_r = out.xs.reinterpret_data<S>();
   std::fill(dx_r, dx_r + d.R * H, Store<S>(0.0f));
   for (int64_t e = 0; e < d.E; ++e) {
     const S *wg_e = wg + e * H * I, *wu_e = wu + e * H * I;
@@ -230,21 +230,21 @@ ffi::Error MoeBwd(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer experts,
                   ffi::AnyBuffer w_down, ffi::AnyBuffer ws_gate, ffi::AnyBuffer ws_up,
                   ffi::AnyBuffer ws_down, ffi::AnyBuffer pos, ffi::AnyBuffer offsets,
                   ffi::AnyBuffer rows, ffi::AnyBuffer gu, ffi::AnyBuffer y_routed,
-                  ffi::AnyBuffer gu_shared, ffi::Result<ffi::AnyBuffer> dx,
+                  ffi::AnyBuffer gu_shared, ffi::AnyBuffer xs, ffi::Result<ffi::AnyBuffer> dx,
                   ffi::Result<ffi::AnyBuffer> dweights, ffi::Result<ffi::AnyBuffer> dw_gate,
                   ffi::Result<ffi::AnyBuffer> dw_up, ffi::Result<ffi::AnyBuffer> dw_down,
                   ffi::Result<ffi::AnyBuffer> dws_gate, ffi::Result<ffi::AnyBuffer> dws_up,
-                  ffi::Result<ffi::AnyBuffer> dws_down, ffi::Result<ffi::AnyBuffer> routed,
-                  ffi::Result<ffi::AnyBuffer> dgu, ffi::Result<ffi::AnyBuffer> dgu_shared,
+                  ffi::Result<ffi::AnyBuffer> dws_down, ffi::Result<ffi::AnyBuffer> xs_rows,
+                  ffi::Result<ffi::AnyBuffer> dy_routed, ffi::Result<ffi::AnyBuffer> dgu, ffi::Result<ffi::AnyBuffer> dgu_shared,
                   ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> h_shared,
                   ffi::Result<ffi::AnyBuffer> dx_shared,
                   ffi::Result<ffi::AnyBuffer> queue, int64_t block_m, bool recompute,
                   int64_t ranks) {
   MoeInputs in{x, experts, weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down};
-  MoeResiduals res{pos, offsets, rows, gu, y_routed, gu_shared};
+  MoeResiduals res{pos, offsets, rows, gu, y_routed, gu_shared, xs};
   MoeBwdResults out{*dx,       *dweights, *dw_gate, *dw_up,  *dw_down,   *dws_gate,
-                    *dws_up,   *dws_down, *routed,  *dgu,    *dgu_shared, *h,
-                    *h_shared, *dx_shared, *queue};
+                    *dws_up,   *dws_down, *xs_rows, *dy_routed, *dgu, *dgu_shared,
+                    *h,        *h_shared, *dx_shared, *queue};
   auto dims = CheckInputs("mok_moe_bwd", in, block_m, recompute, ranks);
   if (dims.has_error()) return dims.error();
   auto dtype = x.element_type();

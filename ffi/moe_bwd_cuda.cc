@@ -15,21 +15,22 @@ ffi::Error MoeBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
                       ffi::AnyBuffer w_up, ffi::AnyBuffer w_down, ffi::AnyBuffer ws_gate,
                       ffi::AnyBuffer ws_up, ffi::AnyBuffer ws_down, ffi::AnyBuffer pos,
                       ffi::AnyBuffer offsets, ffi::AnyBuffer rows, ffi::AnyBuffer gu,
-                      ffi::AnyBuffer y_routed, ffi::AnyBuffer gu_shared,
+                      ffi::AnyBuffer y_routed, ffi::AnyBuffer gu_shared, ffi::AnyBuffer xs,
                       ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dweights,
                       ffi::Result<ffi::AnyBuffer> dw_gate, ffi::Result<ffi::AnyBuffer> dw_up,
                       ffi::Result<ffi::AnyBuffer> dw_down, ffi::Result<ffi::AnyBuffer> dws_gate,
                       ffi::Result<ffi::AnyBuffer> dws_up, ffi::Result<ffi::AnyBuffer> dws_down,
-                      ffi::Result<ffi::AnyBuffer> routed, ffi::Result<ffi::AnyBuffer> dgu,
-                      ffi::Result<ffi::AnyBuffer> dgu_shared, ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> h_shared,
+                      ffi::Result<ffi::AnyBuffer> xs_rows, ffi::Result<ffi::AnyBuffer> dy_routed,
+                      ffi::Result<ffi::AnyBuffer> dgu, ffi::Result<ffi::AnyBuffer> dgu_shared,
+                      ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> h_shared,
                       ffi::Result<ffi::AnyBuffer> dx_shared,
                       ffi::Result<ffi::AnyBuffer> queue, int64_t block_m, bool recompute,
                       int64_t ranks) {
   MoeInputs in{x, experts, weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down};
-  MoeResiduals res{pos, offsets, rows, gu, y_routed, gu_shared};
+  MoeResiduals res{pos, offsets, rows, gu, y_routed, gu_shared, xs};
   MoeBwdResults out{*dx,       *dweights, *dw_gate, *dw_up,  *dw_down,   *dws_gate,
-                    *dws_up,   *dws_down, *routed,  *dgu,    *dgu_shared, *h,
-                    *h_shared, *dx_shared, *queue};
+                    *dws_up,   *dws_down, *xs_rows, *dy_routed, *dgu, *dgu_shared,
+                    *h,        *h_shared, *dx_shared, *queue};
   auto dims = CheckInputs("mok_moe_bwd", in, block_m, recompute, ranks);
   if (dims.has_error()) return dims.error();
   const MoeDims& d = *dims;
@@ -53,10 +54,11 @@ ffi::Error MoeBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
   a.dw_down = out.dw_down.untyped_data();
   a.dws_gate = out.dws_gate.untyped_data(), a.dws_up = out.dws_up.untyped_data();
   a.dws_down = out.dws_down.untyped_data();
-  // xs and dy_routed are the two halves of `routed`; dx_routed then takes xs's.
-  auto* routed_rows = static_cast<char*>(out.routed.untyped_data());
-  a.xs = routed_rows, a.dy_routed = routed_rows + out.routed.size_bytes() / 2;
-  a.dx_routed = routed_rows;
+  // xs: without recompute the residual's buffer (aliased), which the forward filled; dx_routed
+  // then takes it.
+  a.xs = out.xs.untyped_data(), a.xs_saved = !d.recompute;
+  a.dy_routed = out.dy_routed.untyped_data();
+  a.dx_routed = out.xs.untyped_data();
   a.dgu = out.dgu.untyped_data(), a.h = out.h.untyped_data();
   a.dgu_shared = out.dgu_shared.untyped_data(), a.h_shared = out.h_shared.untyped_data();
   a.dx_shared = out.dx_shared.untyped_data();

@@ -17,13 +17,14 @@ ffi::Error MoeFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer expe
                       ffi::Result<ffi::AnyBuffer> pos, ffi::Result<ffi::AnyBuffer> offsets,
                       ffi::Result<ffi::AnyBuffer> rows, ffi::Result<ffi::AnyBuffer> gu,
                       ffi::Result<ffi::AnyBuffer> y_routed, ffi::Result<ffi::AnyBuffer> gu_shared,
-                      ffi::Result<ffi::AnyBuffer> xs, ffi::Result<ffi::AnyBuffer> h,
+                      ffi::Result<ffi::AnyBuffer> xs, ffi::Result<ffi::AnyBuffer> xs_scratch,
+                      ffi::Result<ffi::AnyBuffer> h,
                       ffi::Result<ffi::AnyBuffer> h_shared, ffi::Result<ffi::AnyBuffer> y_shared,
                       ffi::Result<ffi::AnyBuffer> layout, int64_t block_m, bool recompute,
                       int64_t ranks) {
   MoeInputs in{x, experts, weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down};
-  MoeFwdResults out{*y,  {*pos, *offsets, *rows, *gu, *y_routed, *gu_shared},
-                    *xs, *h, *h_shared, *y_shared, *layout};
+  MoeFwdResults out{*y,          {*pos, *offsets, *rows, *gu, *y_routed, *gu_shared, *xs},
+                    *xs_scratch, *h, *h_shared, *y_shared, *layout};
   auto dims = CheckInputs("mok_moe_fwd", in, block_m, recompute, ranks);
   if (dims.has_error()) return dims.error();
   const MoeDims& d = *dims;
@@ -49,7 +50,8 @@ ffi::Error MoeFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer expe
   a.gu = d.recompute ? nullptr : out.res.gu.untyped_data();
   a.y_routed = out.res.y_routed.untyped_data();
   a.gu_shared = d.recompute ? nullptr : out.res.gu_shared.untyped_data();
-  a.xs = out.xs.untyped_data(), a.h = out.h.untyped_data();
+  // Without recompute xs is a residual: the backward's weight gradients read it.
+  a.xs = (d.recompute ? out.xs_scratch : out.res.xs).untyped_data(), a.h = out.h.untyped_data();
   a.h_shared = out.h_shared.untyped_data(), a.y_shared = out.y_shared.untyped_data();
   a.layout = out.layout.reinterpret_data<int32_t>();
   if (const char* err = cuda::LaunchMoeFwd(a, stream))

@@ -52,8 +52,8 @@ class MoeDims(NamedTuple):
 
 class Residuals(NamedTuple):
   """What mok_moe_fwd saves for mok_moe_bwd. R = routed_rows(T * k, E, block_m). With
-  Config.recompute, gu and gu_shared have zero rows: the backward recomputes them from x.
-  Rows of gu and y_routed past offsets[E] (the rows in use) are unspecified."""
+  Config.recompute, gu, gu_shared and xs have zero rows: the backward recomputes them from x.
+  Rows of gu, y_routed and xs past offsets[E] (the rows in use) are unspecified."""
 
   pos: jax.Array  # (T, k) int32: routed row of route (t, j); -1 for an invalid id
   offsets: jax.Array  # (E + 1,) int32: first routed row of each expert; [E] = rows in use
@@ -61,6 +61,7 @@ class Residuals(NamedTuple):
   gu: jax.Array  # (R, 2I) x.dtype: pre-activation [x @ w_gate | x @ w_up] of each routed row
   y_routed: jax.Array  # (R, H) x.dtype: unweighted expert output of each routed row
   gu_shared: jax.Array  # (T, 2Is) x.dtype: pre-activation of the shared expert
+  xs: jax.Array  # (R, H) x.dtype: token row of each routed row, zeros for padding
 
 
 class Grads(NamedTuple):
@@ -180,7 +181,8 @@ def _check_ffi_inputs(x, experts, weights, w_gate, w_up, w_down, shared):
 def fwd_results(dims: MoeDims, dtype, out_dtype, block_m, recompute=False) -> tuple:
   """The results mok_moe_fwd declares: y, the `Residuals`, then scratch that XLA frees after
   the call (declared results, so that the handler allocates nothing). With recompute gu and
-  gu_shared have zero rows and no scratch holds them either: the forward does not write them."""
+  gu_shared have zero rows and no scratch holds them either: the forward does not write them;
+  xs then has zero rows too, and a scratch of R rows holds the forward's."""
   T, H, I, E, k, Is = dims
   R = routed_rows(T * k, E, block_m)
   Rg, Tg = (0, 0) if recompute else (R, T)  # rows of gu and gu_shared kept as residuals
@@ -193,7 +195,8 @@ def fwd_results(dims: MoeDims, dtype, out_dtype, block_m, recompute=False) -> tu
       sds((Rg, 2 * I), dtype),  # gu
       sds((R, H), dtype),  # y_routed
       sds((Tg, 2 * Is), dtype),  # gu_shared
-      sds((R, H), dtype),  # scratch xs: the token row of each routed row
+      sds((Rg, H), dtype),  # xs: the token row of each routed row
+      sds((R - Rg, H), dtype),  # scratch xs, with recompute
       sds((R, I), dtype),  # scratch h = silu(g) * u
       sds((T, Is), dtype),  # scratch h of the shared expert
       sds((T if Is else 0, H), dtype),  # scratch: output of the shared expert
@@ -202,9 +205,9 @@ def fwd_results(dims: MoeDims, dtype, out_dtype, block_m, recompute=False) -> tu
 
 
 def bwd_results(dims: MoeDims, dtype, block_m, recompute=False) -> tuple:
-  """The results mok_moe_bwd declares: the eight gradients, then scratch. dgu and dgu_shared
-  are written over gu and gu_shared (`bwd_aliases`), or with recompute over the gu recomputed
-  into them."""
+  """The results mok_moe_bwd declares: the eight gradients, then scratch. xs, dgu and
+  dgu_shared are written over the residuals xs, gu and gu_shared (`bwd_aliases`), or with
+  recompute xs is gathered and gu recomputed into them."""
   T, H, I, E, k, Is = dims
   R = routed_rows(T * k, E, block_m)
   sds = jax.ShapeDtypeStruct
@@ -217,10 +220,10 @@ def bwd_results(dims: MoeDims, dtype, block_m, recompute=False) -> tuple:
       sds((H, Is), dtype),  # dws_gate
       sds((H, Is), dtype),  # dws_up
       sds((Is, H), dtype),  # dws_down
-      # scratch: [0] the token row of each routed row (xs), [1] dy_routed = w * dy; once the
-      # weight gradients have read both, dx of each routed row (summed per token in j order,
-      # in f32) over [0]
-      sds((2, R, H), dtype),
+      # scratch: the token row of each routed row (xs), then, once the weight gradients have
+      # read it, dx of each routed row (summed per token in j order) over it
+      sds((R, H), dtype),
+      sds((R, H), dtype),  # scratch: dy_routed = w * dy of each routed row
       sds((R, 2 * I), dtype),  # scratch: [dg | du] of each routed row, over gu
       sds((T, 2 * Is), dtype),  # scratch: [dg | du] of the shared expert, over gu_shared
       sds((R, I), dtype),  # scratch: h = silu(g) * u, recomputed from gu
@@ -230,21 +233,25 @@ def bwd_results(dims: MoeDims, dtype, block_m, recompute=False) -> tuple:
   )
 
 
-# mok_moe_bwd's operands gu and gu_shared (after dy and the nine inputs of the forward and pos,
-# offsets, rows) and its results dgu and dgu_shared (after the eight gradients and `routed`).
+# mok_moe_bwd's operands gu, gu_shared and xs (after dy and the nine inputs of the forward and
+# pos, offsets, rows) and its results dgu, dgu_shared (after the eight gradients, xs and
+# dy_routed) and xs.
 _BWD_GU_OPERANDS = (13, 15)
-_BWD_DGU_RESULTS = (9, 10)
+_BWD_DGU_RESULTS = (10, 11)
+_BWD_XS_OPERAND, _BWD_XS_RESULT = 16, 8
 
 
 def bwd_aliases(dims: MoeDims, recompute=False) -> dict:
   """mok_moe_bwd's `input_output_aliases`: without recompute, dgu takes gu's buffer and
   dgu_shared gu_shared's (each SwiGLU backward tile reads its g and u before it writes dg and
-  du there). Under jit, where the residuals die with the backward, XLA gives the backward
-  those buffers; where one is still needed after it, XLA copies it first."""
+  du there), and the xs result (dx of each routed row once the weight gradients have read
+  xs) the residual xs's. Under jit, where the residuals die with the backward, XLA gives the
+  backward those buffers; where one is still needed after it, XLA copies it first."""
   if recompute:
     return {}
   pairs = zip(_BWD_GU_OPERANDS, _BWD_DGU_RESULTS)
-  return {op: res for (op, res), used in zip(pairs, (True, dims.Is > 0)) if used}
+  aliases = {op: res for (op, res), used in zip(pairs, (True, dims.Is > 0)) if used}
+  return {**aliases, _BWD_XS_OPERAND: _BWD_XS_RESULT}
 
 
 class Footprint(NamedTuple):
@@ -258,33 +265,35 @@ class Footprint(NamedTuple):
 def footprint(dims: MoeDims, dtype, block_m=Config.block_m, recompute=False) -> Footprint:
   """The memory the FFI targets need, with b = bytes per element of x, R = routed_rows(T k, E,
   block_m) = T k + min(E, T k) (block_m - 1), S = [Is > 0], G = b (2 R I + 2 T Is) the bytes of
-  gu and gu_shared, and C = [recompute]:
+  gu and gu_shared, X = b R H those of xs (each routed row's token row), and C = [recompute]:
 
-    residuals   = 4 (T k + E + 1 + R) + b R H + (1 - C) G
-    fwd scratch = b (R H + R I + T Is + S T H) + 4 (ceil(T k / 1024) E + Q),
+    residuals   = 4 (T k + E + 1 + R) + b R H + (1 - C) (G + X)
+    fwd scratch = b (R I + T Is + S T H) + C X + 4 (ceil(T k / 1024) E + Q),
                   Q = 8 + ceil((T k + 127 E) / 64) + ceil(T / 128) (the tile queue)
-    bwd scratch = b (2 R H + R I + T Is + S T H) + 4 Q + C G
+    bwd scratch = b (R H + R I + T Is + S T H) + 4 Q + C (G + X)
 
-  The backward's dx of each routed row (b R H) takes the buffer of its xs once the weight
-  gradients have read that, and its dgu (G) the buffer of gu: the residual's, or with recompute
-  the one it recomputes gu into.
+  The backward's dx of each routed row (b R H) takes the buffer of xs once the weight gradients
+  have read that, and its dgu (G) the buffer of gu: the residuals', or with recompute the ones
+  it gathers xs and recomputes gu into.
 
-  Recompute moves G from the residuals, held from the forward until the backward, into the
-  backward's scratch, which that call frees; the forward then does not write gu at all. The
-  forward's y and the backward's gradients are not counted (any implementation has them).
+  Recompute moves G + X from the residuals, held from the forward until the backward, into the
+  backward's scratch, which that call frees (the forward then holds xs as scratch and writes no
+  gu at all): less memory a layer for a gather and a GEMM more. The forward's y and the
+  backward's gradients are not counted (any implementation has them).
   """
   T, H, I, E, k, Is = dims
   b = jnp.dtype(dtype).itemsize
   R = routed_rows(T * k, E, block_m)
   S = 1 if Is else 0
   G = b * (2 * R * I + 2 * T * Is)
+  X = b * R * H
   C = 1 if recompute else 0
   chunks = -(-T * k // 1024)
   Q = 8 + -(-(T * k + 127 * E) // 64) + -(-T // 128)
   return Footprint(
-      residuals=4 * (T * k + E + 1 + R) + b * R * H + (1 - C) * G,
-      fwd_scratch=b * (R * H + R * I + T * Is + S * T * H) + 4 * (chunks * E + Q),
-      bwd_scratch=b * (2 * R * H + R * I + T * Is + S * T * H) + 4 * Q + C * G,
+      residuals=4 * (T * k + E + 1 + R) + b * R * H + (1 - C) * (G + X),
+      fwd_scratch=b * (R * I + T * Is + S * T * H) + C * X + 4 * (chunks * E + Q),
+      bwd_scratch=b * (R * H + R * I + T * Is + S * T * H) + 4 * Q + C * (G + X),
   )
 
 
@@ -297,8 +306,8 @@ def moe_fwd(x, experts, weights, w_gate, w_up, w_down, shared=None, *, out_dtype
     weights (T, k) f32; w_gate, w_up (E, H, I); w_down (E, I, H); shared None or
     (ws_gate (H, Is), ws_up (H, Is), ws_down (Is, H)); all weight tensors of x's dtype.
   Outputs:
-    y (T, H) out_dtype (x's dtype, or f32 for a partial sum), and `Residuals` (gu and
-    gu_shared with zero rows when recompute).
+    y (T, H) out_dtype (x's dtype, or f32 for a partial sum), and `Residuals` (gu, gu_shared
+    and xs with zero rows when recompute).
   ranks: under expert parallelism, the ranks over which the routes of these tokens are spread
     (about T k / ranks of them to these experts): a hint for the CUDA kernel's launch choices,
     which leave every result as it is.

@@ -40,65 +40,71 @@ def test_formula_matches_declared_results(dims, dtype, block_m, recompute):
 @pytest.mark.parametrize("dims", SHAPES)
 @pytest.mark.parametrize("recompute", [False, True], ids=["save", "recompute"])
 def test_bwd_aliases_pair_like_buffers(dims, recompute):
-  """Each alias joins mok_moe_bwd's gu operand to its dgu result (gu_shared to dgu_shared with a
-  shared expert), of one shape and dtype: nothing else, and nothing with recompute."""
+  """Each alias joins one of mok_moe_bwd's residual operands gu, xs (and gu_shared with a
+  shared expert) to the result written over it, dgu, xs (dgu_shared), of one shape and dtype:
+  nothing else, and nothing with recompute."""
   dims = ops.MoeDims(*dims)
   block_m = Config().block_m
-  res = ops.fwd_results(dims, jnp.bfloat16, jnp.bfloat16, block_m, recompute)[1:7]
+  n_res = len(ops.Residuals._fields)
+  res = ops.fwd_results(dims, jnp.bfloat16, jnp.bfloat16, block_m, recompute)[1:1 + n_res]
   operands = [None] * 10 + list(res)  # dy and the forward's nine inputs, then the residuals
   results = ops.bwd_results(dims, jnp.bfloat16, block_m, recompute)
   aliases = ops.bwd_aliases(dims, recompute)
-  want = {} if recompute else {13: 9, **({15: 10} if dims.Is else {})}
+  want = {} if recompute else {13: 10, 16: 8, **({15: 11} if dims.Is else {})}
   assert aliases == want
   fields = ops.Residuals._fields
   for op, out in aliases.items():
-    assert fields[op - 10] in ("gu", "gu_shared")
+    assert fields[op - 10] in ("gu", "gu_shared", "xs")
     assert operands[op].shape == results[out].shape and operands[op].dtype == results[out].dtype
 
 
 @pytest.mark.parametrize("dims", SHAPES)
-def test_recompute_moves_gu_out_of_the_residuals(dims):
-  """Recompute keeps b (2 R I + 2 T Is) bytes fewer from the forward to the backward, and the
-  backward holds them as scratch instead; the forward, which then writes no gu, needs no more
-  scratch than in the save mode."""
+def test_recompute_moves_gu_and_xs_out_of_the_residuals(dims):
+  """Recompute keeps b (2 R I + 2 T Is) + b R H bytes fewer from the forward to the backward
+  (gu, gu_shared and xs), and the backward holds them as scratch instead; the forward, which
+  then writes no gu, holds xs as scratch."""
   dims = ops.MoeDims(*dims)
   T, H, I, E, k, Is = dims
   R = ops.routed_rows(T * k, E, Config().block_m)
-  gu = 2 * (2 * R * I + 2 * T * Is)
+  gu, xs = 2 * (2 * R * I + 2 * T * Is), 2 * R * H
   save = ops.footprint(dims, jnp.bfloat16)
   recompute = ops.footprint(dims, jnp.bfloat16, recompute=True)
-  assert save.residuals - recompute.residuals == gu
-  assert recompute.fwd_scratch == save.fwd_scratch
-  # dgu takes gu's buffer in both: the residual's, or the recomputed gu's, which is scratch.
-  assert recompute.bwd_scratch - save.bwd_scratch == gu
+  assert save.residuals - recompute.residuals == gu + xs
+  assert recompute.fwd_scratch - save.fwd_scratch == xs
+  # dgu and dx_r take gu's and xs's buffers in both: the residuals', or the recomputed ones.
+  assert recompute.bwd_scratch - save.bwd_scratch == gu + xs
   n_res = len(ops.Residuals._fields)
   fwd = ops.fwd_results(dims, jnp.bfloat16, jnp.bfloat16, Config().block_m, recompute=True)
   res = ops.Residuals(*fwd[1:1 + n_res])
   assert res.gu.shape == (0, 2 * I)
   assert res.gu_shared.shape == (0, 2 * Is)
-  # The forward declares the same scratch in both modes: no result takes the gu it drops.
+  assert res.xs.shape == (0, H)
+  # The forward declares xs once in each mode, as a residual or as scratch, and no result
+  # takes the gu that recompute drops.
   save_fwd = ops.fwd_results(dims, jnp.bfloat16, jnp.bfloat16, Config().block_m,
                              recompute=False)
-  assert fwd[1 + n_res:] == save_fwd[1 + n_res:]
+  assert save_fwd[n_res].shape == (R, H) and save_fwd[n_res + 1].shape == (0, H)
+  assert fwd[n_res + 1].shape == (R, H)
+  assert fwd[n_res + 2:] == save_fwd[n_res + 2:]
 
 
 def test_qwen3_numbers():
-  """The README's example: qwen3_30b in bf16 keeps about 0.9 GB of residuals per layer (block_m
+  """The README's example: qwen3_30b in bf16 keeps about 1.5 GB of residuals per layer (block_m
   64, the default)."""
   assert Config().block_m == 64
   f = ops.footprint(ops.MoeDims(16384, 2048, 768, 128, 8, 0), jnp.bfloat16)
   R = 16384 * 8 + 128 * 63
   assert R == 139136
-  assert f.residuals == 4 * (131072 + 129 + R) + 2 * (2 * R * 768 + R * 2048)
-  assert 0.9e9 < f.residuals < 1.1e9
+  assert f.residuals == 4 * (131072 + 129 + R) + 2 * (2 * R * 768 + 2 * R * 2048)
+  assert 1.5e9 < f.residuals < 1.7e9
 
 
 # README, "Save or recompute": GiB of residuals in bf16, save and recompute, per bench shape.
 README_RECOMPUTE = {
-    (16384, 2048, 768, 128, 8): (0.93, 0.53),
-    (8192, 2880, 2880, 128, 4): (0.66, 0.22),
-    (8192, 4096, 14336, 8, 2): (1.03, 0.13),
-    (4096, 7168, 2048, 256, 8): (1.03, 0.65),
+    (16384, 2048, 768, 128, 8): (1.46, 0.53),
+    (8192, 2880, 2880, 128, 4): (0.88, 0.22),
+    (8192, 4096, 14336, 8, 2): (1.16, 0.13),
+    (4096, 7168, 2048, 256, 8): (1.68, 0.65),
 }
 
 

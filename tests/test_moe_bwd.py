@@ -12,7 +12,8 @@ from jax.test_util import check_grads
 import mok_jax
 import oracle
 from cases import (BF16, CPU_BACKENDS, F32, GRAD_RTOL, RTOL, assert_close, assert_grads_close,
-                   check_dgu_takes_gu, loss_and_grads, make_case, oracle_grads_dict)
+                   check_bwd_takes_residual_buffers, loss_and_grads, make_case,
+                   oracle_grads_dict)
 
 # check_grads compares with central differences in f32 along a random direction; with this step
 # the truncation and rounding errors stay near 1.3e-3 of the projection (seen over seeds).
@@ -63,8 +64,8 @@ def test_check_grads(backend, Is):
               rtol=CHECK_GRADS_TOL, eps=CHECK_GRADS_EPS)
 
 
-def test_dgu_takes_the_residual_gu():
-  check_dgu_takes_gu("ffi")
+def test_bwd_takes_the_residual_buffers():
+  check_bwd_takes_residual_buffers("ffi")
 
 
 def test_ffi_has_no_forward_mode():

@@ -16,9 +16,8 @@ import mok_jax
 from mok_jax import ops
 import oracle
 from cases import (BF16, BF16_GRAD_RTOL, COMMAND_BUFFER_FLAGS, CUDA_SHAPES, GRAD_NAMES,
-                   NO_COMMAND_BUFFER_FLAGS, REPLAYS, assert_close, bits, check_dgu_takes_gu,
-                   cuda_digests_with,
-                   cuda_routing, loss_and_grads, make_case, oracle_grads_dict, per_block_m,
+                   NO_COMMAND_BUFFER_FLAGS, REPLAYS, assert_close, bits,
+                   check_bwd_takes_residual_buffers, cuda_digests_with, cuda_routing, loss_and_grads, make_case, oracle_grads_dict, per_block_m,
                    tail_routing)
 
 pytestmark = pytest.mark.gpu
@@ -80,9 +79,10 @@ def test_adversarial_routing(name, block_m):
       assert not np.any(got["w_gate"][e]) and not np.any(got["w_down"][e])
 
 
-def test_dgu_takes_the_residual_gu():
-  """XLA hands the backward gu's buffer for dgu (ops.bwd_aliases): no copy on the GPU either."""
-  check_dgu_takes_gu("cuda")
+def test_bwd_takes_the_residual_buffers():
+  """XLA hands the backward gu's buffer for dgu and xs's for its xs (ops.bwd_aliases): no copy
+  on the GPU either."""
+  check_bwd_takes_residual_buffers("cuda")
 
 
 @pytest.mark.parametrize("block_m", ops.CUDA_BLOCK_MS)

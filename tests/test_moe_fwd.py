@@ -112,6 +112,10 @@ def test_ffi_layout_residuals(block_m):
   assert_close(np.asarray(res.y_routed)[p], out, RTOL[F32], "y_routed")
   padding = np.asarray(res.rows) < 0
   assert not np.any(np.asarray(res.y_routed)[padding]), "padding rows must hold zeros"
+  # xs: each route's token row at its row, zeros for the padding (the backward's weight
+  # gradients read it as the gather left it).
+  np.testing.assert_array_equal(np.asarray(res.xs)[p], np.asarray(case.x)[t])
+  assert not np.any(np.asarray(res.xs)[padding]), "padding rows of xs must hold zeros"
   ws_gate, ws_up, _ = (np.asarray(w, np.float64) for w in case.shared)
   assert_close(res.gu_shared, np.concatenate([x @ ws_gate, x @ ws_up], axis=1), RTOL[F32],
                "gu_shared")

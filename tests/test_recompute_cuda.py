@@ -52,8 +52,8 @@ def test_same_bits_adversarial_routing(name):
 
 @pytest.mark.parametrize("T,H,I,E,k,Is", SHAPES[1:])
 def test_forward_keeps_no_gu(T, H, I, E, k, Is):
-  """With recompute the residuals gu and gu_shared have zero rows; y and the other residuals
-  are those of the save mode."""
+  """With recompute the residuals gu, gu_shared and xs have zero rows; y and the other
+  residuals are those of the save mode."""
   case = make_case(T, H, I, E, k, Is=Is, dtype=BF16, seed=6)
   args = (case.x, jnp.asarray(case.experts, jnp.int32), case.weights, case.w_gate, case.w_up,
           case.w_down, case.shared)
@@ -62,6 +62,8 @@ def test_forward_keeps_no_gu(T, H, I, E, k, Is):
       for r in MODES)
   assert res_save.gu.shape == (ops.routed_rows(T * k, E, 128), 2 * I)
   assert res_rec.gu.shape == (0, 2 * I) and res_rec.gu_shared.shape == (0, 2 * Is)
+  assert res_save.xs.shape == (ops.routed_rows(T * k, E, 128), H)
+  assert res_rec.xs.shape == (0, H)
   assert bits(y_save) == bits(y_rec)
   for name in ("pos", "offsets", "rows"):
     assert bits(getattr(res_save, name)) == bits(getattr(res_rec, name)), name

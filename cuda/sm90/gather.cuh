@@ -127,7 +127,8 @@ __device__ __forceinline__ void Load8(const D* p, float f[8]) {
 // lane, lane + 32, ...), then a fixed butterfly across lanes: the same bits every run, and as a
 // warp a routed row gave them. Routes without a row (pos -1: an invalid expert id) get dweights
 // 0; the padding rows that end each expert's rows get zeros in dy_r, a CTA an expert (past the
-// T / 8 CTAs of the tokens: GatherCtas).
+// T / 8 CTAs of the tokens: GatherCtas). zero[0, zero_ints) = 0, as GatherKernel does it, for
+// a backward that gathers no xs (the forward's is a residual).
 //
 // NOTES: a warp a routed row read dy[t] k times, from HBM where dy outgrows L2 (the gather's
 // NOTES). The same in token order with the routes in series, each chunk loaded as it was used
@@ -142,7 +143,8 @@ __global__ void __launch_bounds__(256)
                       const int32_t* __restrict__ rows, const int32_t* __restrict__ offsets,
                       const int32_t* __restrict__ pos, int64_t T, const float* __restrict__ weights,
                       int k, int block_m, int H, __nv_bfloat16* __restrict__ dy_r,
-                      float* __restrict__ dweights) {
+                      float* __restrict__ dweights, int32_t* zero, int64_t zero_ints) {
+  GridFill(zero, zero_ints, 0);
   const int lane = threadIdx.x % 32;
   const int64_t token_ctas = TokenCtas(T);
   const int chunks = H / 8;

@@ -1,5 +1,6 @@
 // Launch of the backward on one GPU, all on XLA's stream with no host synchronisation:
 //
+//   xs = x[token of each routed row] (recompute only)      GatherKernel, as the forward
 //   gu, h = SwiGLU(xs @ [w_gate | w_up]) (recompute only)  LaunchExpertMlps, as the forward
 //   dy_r = w * dy (gathered), dweights = <dy, y_routed>    ScaleGatherKernel
 //   dgu, h = SwiGLU'(dy_r @ w_down^T)                      BwdDown, dgu over gu
@@ -118,14 +119,23 @@ const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
   const int E = static_cast<int>(a.E), k = static_cast<int>(a.k), H = static_cast<int>(a.H);
 
   // Tile queues (header ints): 0 the recompute's gate|up, 1 dgu, 2 the weight gradients, 3
-  // dx_r; then the recompute's per-row-tile counts of gu. The gather clears them.
+  // dx_r; then the recompute's per-row-tile counts of gu. The gather clears them (or, with no
+  // gather, the scaled gather).
   int32_t* ready = a.queue + kQueueHeaderInts;
   const int mlp_count = a.Is > 0 ? 2 : 1;
   const int64_t routes = a.T * a.k;
   const int64_t expected = ExpectedRoutedRows(routes, a.R, a.ranks);
-  sm90::GatherKernel<<<sm90::GatherCtas(a.T, E), 256, 0, stream>>>(
-      static_cast<const uint4*>(a.x), a.pos, a.rows, a.offsets, a.T, k, a.block_m, H / 8,
-      static_cast<uint4*>(a.xs), a.queue, TileQueueInts(a.T, a.k, a.E));
+  // Without recompute xs is the forward's (a residual): no gather, and the scaled gather
+  // clears the queues instead.
+  //
+  // NOTES: the gather took 0.19 ms of dsv3's forward+backward, 0.08 of gptoss_120b's (H200,
+  // 2026-12-02, tools/ab); keeping xs costs b R H bytes of residuals a layer (README, Memory).
+  const int64_t queue_ints = TileQueueInts(a.T, a.k, a.E);
+  if (!a.xs_saved) {
+    sm90::GatherKernel<<<sm90::GatherCtas(a.T, E), 256, 0, stream>>>(
+        static_cast<const uint4*>(a.x), a.pos, a.rows, a.offsets, a.T, k, a.block_m, H / 8,
+        static_cast<uint4*>(a.xs), a.queue, queue_ints);
+  }
   // Recompute: the forward's gate|up launches on the same rows (xs gathered as the forward
   // gathers it, x for the shared expert), hence the bits it would have saved, into dgu, which
   // BwdDown then rewrites in place. h is written too and rewritten by BwdDown below.
@@ -146,11 +156,11 @@ const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
   if (a.dy_f32) {
     sm90::ScaleGatherKernel<float><<<sm90::GatherCtas(a.T, E), 256, 0, stream>>>(
         static_cast<const float*>(a.dy), y_routed, a.rows, a.offsets, a.pos, a.T, a.weights, k,
-        a.block_m, H, dy_r, a.dweights);
+        a.block_m, H, dy_r, a.dweights, a.queue, a.xs_saved ? queue_ints : 0);
   } else {
     sm90::ScaleGatherKernel<bf16><<<sm90::GatherCtas(a.T, E), 256, 0, stream>>>(
         static_cast<const bf16*>(a.dy), y_routed, a.rows, a.offsets, a.pos, a.T, a.weights, k,
-        a.block_m, H, dy_r, a.dweights);
+        a.block_m, H, dy_r, a.dweights, a.queue, a.xs_saved ? queue_ints : 0);
   }
   const MlpGrads mlps[2] = {
       {a.xs, gu, a.dy_routed, a.w_gate, a.w_up, a.w_down, a.offsets, a.rows, a.block_m, E, a.R,
