@@ -19,12 +19,12 @@ class Config:
       shrinks; both give the same bits there).
     recompute: trades time for memory in the backward. False: the forward keeps the
       pre-activations gu = [x @ w_gate | x @ w_up] of the routed rows and of the shared expert
-      as residuals, b (2 R I + 2 T Is) bytes per layer (b = bytes per element of x) held from
-      the forward until the backward. True: those residuals are empty (the forward does not
-      write gu at all) and the backward first recomputes gu from x with the forward's own
-      gate|up GEMM, 2/3 of a forward's FLOPs (forward + backward do 11/9 of the save mode's
-      work). The same bits either way. Not differentiated (inference), the layer's forward
-      keeps and writes no gu whatever this knob says.
+      and the routed token rows xs as residuals, b (2 R I + 2 T Is + R H) bytes per layer (b =
+      bytes per element of x) held from the forward until the backward. True: those residuals
+      are empty (the forward does not write gu at all) and the backward first gathers xs again
+      and recomputes gu from it with the forward's own gate|up GEMM, 2/3 of a forward's FLOPs
+      (forward + backward do 11/9 of the save mode's work). The same bits either way. Not
+      differentiated (inference), the layer's forward keeps neither whatever this knob says.
   """
 
   block_m: int = 64
