@@ -235,9 +235,9 @@ ffi::Error MoeBwd(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer experts,
                   ffi::Result<ffi::AnyBuffer> dw_up, ffi::Result<ffi::AnyBuffer> dw_down,
                   ffi::Result<ffi::AnyBuffer> dws_gate, ffi::Result<ffi::AnyBuffer> dws_up,
                   ffi::Result<ffi::AnyBuffer> dws_down, ffi::Result<ffi::AnyBuffer> xs_rows,
-                  ffi::Result<ffi::AnyBuffer> dy_routed, ffi::Result<ffi::AnyBuffer> dgu, ffi::Result<ffi::AnyBuffer> dgu_shared,
-                  ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> h_shared,
-                  ffi::Result<ffi::AnyBuffer> dx_shared,
+                  ffi::Result<ffi::AnyBuffer> dy_routed, ffi::Result<ffi::AnyBuffer> dgu,
+                  ffi::Result<ffi::AnyBuffer> dgu_shared, ffi::Result<ffi::AnyBuffer> h,
+                  ffi::Result<ffi::AnyBuffer> h_shared, ffi::Result<ffi::AnyBuffer> dx_shared,
                   ffi::Result<ffi::AnyBuffer> queue, int64_t block_m, bool recompute,
                   int64_t ranks) {
   MoeInputs in{x, experts, weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down};

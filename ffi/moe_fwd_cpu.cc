@@ -122,8 +122,9 @@ ffi::Error MoeFwd(ffi::AnyBuffer x, ffi::AnyBuffer experts, ffi::AnyBuffer weigh
                   ffi::Result<ffi::AnyBuffer> offsets, ffi::Result<ffi::AnyBuffer> rows,
                   ffi::Result<ffi::AnyBuffer> gu, ffi::Result<ffi::AnyBuffer> y_routed,
                   ffi::Result<ffi::AnyBuffer> gu_shared, ffi::Result<ffi::AnyBuffer> xs,
-                  ffi::Result<ffi::AnyBuffer> xs_scratch, ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> h_shared,
-                  ffi::Result<ffi::AnyBuffer> y_shared, ffi::Result<ffi::AnyBuffer> layout,
+                  ffi::Result<ffi::AnyBuffer> xs_scratch, ffi::Result<ffi::AnyBuffer> h,
+                  ffi::Result<ffi::AnyBuffer> h_shared, ffi::Result<ffi::AnyBuffer> y_shared,
+                  ffi::Result<ffi::AnyBuffer> layout,
                   int64_t block_m, bool recompute, int64_t ranks) {
   MoeInputs in{x, experts, weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down};
   MoeFwdResults out{*y,          {*pos, *offsets, *rows, *gu, *y_routed, *gu_shared, *xs},

@@ -17,8 +17,8 @@ from mok_jax import ops
 import oracle
 from cases import (BF16, BF16_GRAD_RTOL, COMMAND_BUFFER_FLAGS, CUDA_SHAPES, GRAD_NAMES,
                    NO_COMMAND_BUFFER_FLAGS, REPLAYS, assert_close, bits,
-                   check_bwd_takes_residual_buffers, cuda_digests_with, cuda_routing, loss_and_grads, make_case, oracle_grads_dict, per_block_m,
-                   tail_routing)
+                   check_bwd_takes_residual_buffers, cuda_digests_with, cuda_routing,
+                   loss_and_grads, make_case, oracle_grads_dict, per_block_m, tail_routing)
 
 pytestmark = pytest.mark.gpu
 
