@@ -72,8 +72,8 @@ struct MoeBwdArgs {
   void* dws_down;         // (Is, H)
   // xs and dy_routed are live until the weight gradients have read them; dx_routed, written
   // after, may lie over one of them (the FFI handler gives it xs's buffer).
-  void* xs;               // (R, H) bf16: the residual's (xs_saved), else scratch to gather into
-  bool xs_saved;          // xs holds the forward's gathered rows (without recompute)
+  void* xs;               // (R, H) bf16: the residual's without recompute, else scratch to
+                          // gather into
   void* dy_routed;        // scratch (R, H) bf16
   void* dx_routed;        // scratch (R, H) bf16
   void* dgu;              // scratch (R, 2I) bf16; may be gu (each tile reads its g, u first)

@@ -56,7 +56,7 @@ ffi::Error MoeBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
   a.dws_down = out.dws_down.untyped_data();
   // xs: without recompute the residual's buffer (aliased), which the forward filled; dx_routed
   // then takes it.
-  a.xs = out.xs.untyped_data(), a.xs_saved = !d.recompute;
+  a.xs = out.xs.untyped_data();
   a.dy_routed = out.dy_routed.untyped_data();
   a.dx_routed = out.xs.untyped_data();
   a.dgu = out.dgu.untyped_data(), a.h = out.h.untyped_data();

@@ -131,7 +131,7 @@ const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
   // NOTES: the gather took 0.19 ms of dsv3's forward+backward, 0.08 of gptoss_120b's (H200,
   // 2026-12-02, tools/ab); keeping xs costs b R H bytes of residuals a layer (README, Memory).
   const int64_t queue_ints = TileQueueInts(a.T, a.k, a.E);
-  if (!a.xs_saved) {
+  if (a.recompute) {
     sm90::GatherKernel<<<sm90::GatherCtas(a.T, E), 256, 0, stream>>>(
         static_cast<const uint4*>(a.x), a.pos, a.rows, a.offsets, a.T, k, a.block_m, H / 8,
         static_cast<uint4*>(a.xs), a.queue, queue_ints);
@@ -156,11 +156,11 @@ const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
   if (a.dy_f32) {
     sm90::ScaleGatherKernel<float><<<sm90::GatherCtas(a.T, E), 256, 0, stream>>>(
         static_cast<const float*>(a.dy), y_routed, a.rows, a.offsets, a.pos, a.T, a.weights, k,
-        a.block_m, H, dy_r, a.dweights, a.queue, a.xs_saved ? queue_ints : 0);
+        a.block_m, H, dy_r, a.dweights, a.queue, a.recompute ? 0 : queue_ints);
   } else {
     sm90::ScaleGatherKernel<bf16><<<sm90::GatherCtas(a.T, E), 256, 0, stream>>>(
         static_cast<const bf16*>(a.dy), y_routed, a.rows, a.offsets, a.pos, a.T, a.weights, k,
-        a.block_m, H, dy_r, a.dweights, a.queue, a.xs_saved ? queue_ints : 0);
+        a.block_m, H, dy_r, a.dweights, a.queue, a.recompute ? 0 : queue_ints);
   }
   const MlpGrads mlps[2] = {
       {a.xs, gu, a.dy_routed, a.w_gate, a.w_up, a.w_down, a.offsets, a.rows, a.block_m, E, a.R,
