@@ -7,6 +7,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "tools" / "ab" / "measure.py"
 
@@ -116,6 +117,25 @@ def test_sync_latency_finds_its_calls():
   out = subprocess.run([sys.executable, str(SCRIPT.parent / "sync_latency.py"), "tiny"],
                        env=env, check=True, capture_output=True, text=True, timeout=300).stdout
   assert out.splitlines() == ["no GPU kernels in the 20 calls traced"]  # a CPU run
+
+
+def test_pause_times_each_pause_after_the_pause():
+  pause = _tool("pause")
+  slept = []
+
+  def call():
+    slept.append(time.perf_counter())
+    return 0
+
+  seconds = pause.timed_calls(call, pause_ms=20.0, calls=3, heat_s=0.0)
+  assert len(seconds) == 3 and all(0 <= s < 0.02 for s in seconds)  # the sleep is not timed
+  assert all(b - a >= 0.02 for a, b in zip(slept, slept[1:]))        # but comes before each call
+  env = dict(os.environ, MOK_AB_BACKEND="xla", JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, str(SCRIPT.parent / "pause.py"), "tiny", "fwd", "0,1"],
+                       env=env, check=True, capture_output=True, text=True,
+                       timeout=300).stdout.splitlines()
+  assert [line.split(":")[0] for line in out] == ["tiny fwd pause 0 ms", "tiny fwd pause 1 ms"]
+  assert all(float(line.split(": ")[1].split()[0]) > 0 for line in out)
 
 
 # A cuobjdump -sass excerpt: kernel k, whose k-loop (0x0030-0x0070) holds an LDL, and whose

@@ -1,0 +1,56 @@
+"""What the GPU's power cap costs a synchronised call: the layer's call timed as the bench times it
+(the host clock around the call and block_until_ready), with the GPU left idle for PAUSE ms
+before each call, for each pause asked, with the SM clock and power draw meanwhile. A call that
+meets the 700 W cap runs at a lower clock; a pause lets the power average fall first, so the
+difference between pauses is the part of a call's time that its energy costs under the cap.
+Each pause starts after a second of calls without pauses, so that every row starts from the
+same state. Usage: python tools/ab/pause.py SHAPE [MODE] [PAUSES_MS] (default 0,5,20,50)."""
+
+import sys
+import time
+
+import jax
+
+from measure import mode_call
+from mok_jax.bench import clocks
+from mok_jax.bench import timing
+
+CALLS = 30
+HEAT_S = 1.0
+
+
+def timed_calls(call, pause_ms, calls=CALLS, heat_s=HEAT_S):
+  """Seconds of each of `calls` synchronised calls, each after `pause_ms` of sleep on the host,
+  after `heat_s` seconds of calls without pauses."""
+  start = time.perf_counter()
+  while time.perf_counter() - start < heat_s:
+    jax.block_until_ready(call())
+  seconds = []
+  for _ in range(calls):
+    time.sleep(pause_ms / 1e3)
+    begin = time.perf_counter()
+    jax.block_until_ready(call())
+    seconds.append(time.perf_counter() - begin)
+  return seconds
+
+
+def main(argv):
+  shape = argv[0]
+  mode = argv[1] if len(argv) > 1 else "fwd+bwd"
+  pauses = [float(p) for p in (argv[2] if len(argv) > 2 else "0,5,20,50").split(",")]
+  f, args = mode_call(shape, mode)
+  jax.block_until_ready(f(*args))
+  for pause in pauses:
+    gpu = {}
+    with clocks.sampling(gpu, "calls"):
+      seconds = timed_calls(lambda: f(*args), pause)
+    ms = timing.summarize(seconds)
+    clock = (f" at {gpu['calls']['sm_mhz']:.0f} MHz ({gpu['calls']['sm_mhz_min']:.0f}-"
+             f"{gpu['calls']['sm_mhz_max']:.0f}), {gpu['calls']['power_w']:.0f} W"
+             if gpu else "")
+    print(f"{shape} {mode} pause {pause:g} ms: {ms['median']:.3f} ms a call "
+          f"(p25-p75 {ms['p25']:.3f}-{ms['p75']:.3f}){clock}", flush=True)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
