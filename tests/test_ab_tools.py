@@ -127,7 +127,10 @@ def test_pause_times_each_pause_after_the_pause():
     slept.append(time.perf_counter())
     return 0
 
-  seconds = pause.timed_calls(call, pause_ms=20.0, calls=3, heat_s=0.0)
+  readings = iter([1000, 7000])  # mJ before and after the timed calls
+  seconds, joules = pause.timed_calls(call, pause_ms=20.0, calls=3, heat_s=0.0,
+                                      energy=lambda: next(readings))
+  assert joules == ", 2.000 J a call"
   assert len(seconds) == 3 and all(0 <= s < 0.02 for s in seconds)  # the sleep is not timed
   assert all(b - a >= 0.02 for a, b in zip(slept, slept[1:]))        # but comes before each call
   env = dict(os.environ, MOK_AB_BACKEND="xla", JAX_PLATFORMS="cpu")
@@ -137,6 +140,13 @@ def test_pause_times_each_pause_after_the_pause():
   assert [line.split(":")[0] for line in out] == ["tiny fwd pause 0 ms", "tiny fwd pause 1 ms"]
   assert all(float(line.split(": ")[1].split()[0]) > 0 for line in out)
 
+
+
+def test_joules_a_call():
+  joules_a_call = _tool("measure").joules_a_call
+  assert joules_a_call(5_000, 17_500, 10) == ", 1.250 J a call"
+  assert joules_a_call(None, 17_500, 10) == joules_a_call(5_000, None, 10) == ""
+  assert joules_a_call(5_000, 17_500, 0) == ""
 
 # A cuobjdump -sass excerpt: kernel k, whose k-loop (0x0030-0x0070) holds an LDL, and whose
 # tile loop around it (0x0010-0x0090) a STL; kernel j has no loop.

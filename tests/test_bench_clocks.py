@@ -72,3 +72,11 @@ def test_without_nvidia_smi_the_timing_stands_alone(tmp_path, monkeypatch):
   with clocks.sampling(out, "gpu"):
     pass
   assert out == {}
+
+
+def test_energy_counter_is_none_without_nvml(monkeypatch):
+  def no_library(name):
+    raise OSError(f"{name}: cannot open shared object file")
+
+  monkeypatch.setattr(clocks.ctypes, "CDLL", no_library)
+  assert clocks.energy_mj() is None

@@ -9,6 +9,7 @@ that carries the clock of its own timing says which of these it measured.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
 import statistics
@@ -75,3 +76,28 @@ def sampling(out: dict, key: str):
     found = parse(text or "")
     if found:
       out[key] = found
+
+
+def energy_mj(visible: str | None = None) -> int | None:
+  """The job's GPU's energy counter (NVML's nvmlDeviceGetTotalEnergyConsumption: millijoules
+  since the driver loaded), or None without NVML or the counter (a CPU machine). Two readings
+  around some calls give their joules, which the power cap does not blur as it does their time
+  (docs/performance.md, Runs and machines)."""
+  try:
+    nvml = ctypes.CDLL("libnvidia-ml.so.1")
+  except OSError:
+    return None
+  handle, mj = ctypes.c_void_p(), ctypes.c_ulonglong()
+  which = gpu_index(visible)
+  try:
+    if nvml.nvmlInit_v2() != 0:
+      return None
+    if which.isdigit():
+      found = nvml.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(int(which)), ctypes.byref(handle))
+    else:
+      found = nvml.nvmlDeviceGetHandleByUUID(which.encode(), ctypes.byref(handle))
+    ok = found == 0 and nvml.nvmlDeviceGetTotalEnergyConsumption(handle, ctypes.byref(mj)) == 0
+    nvml.nvmlShutdown()
+  except AttributeError:  # an NVML without these entry points
+    return None
+  return mj.value if ok else None

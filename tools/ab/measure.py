@@ -133,6 +133,15 @@ def digest(a) -> str:
   return f"{first:08x}{second:08x}"[:10]
 
 
+def joules_a_call(before_mj, after_mj, calls):
+  """", X.XXX J a call" from the GPU's energy counter read before and after `calls` calls
+  (clocks.energy_mj), or "" without both readings. Under the power cap a call's time follows
+  its energy: A/Bs compare builds by both (docs/performance.md, Runs and machines)."""
+  if before_mj is None or after_mj is None or calls <= 0:
+    return ""
+  return f", {(after_mj - before_mj) / calls / 1e3:.3f} J a call"
+
+
 def short(kernel):
   """GemmChainKernel<GemmKind<Major A, Major B, Epilogue, Schedule>...> -> gemm<A B epi sched>;
   DualChainKernel<chain a's first kind, ..., chain b's first kind, ...> -> dual<a>_<b> (the
@@ -213,21 +222,26 @@ def main(argv):
     timed = [(m, f) for m, f in (("fwd", f_fwd), ("fwd+bwd", f_step)) if m in modes]
     b2b_ms = {}
     for mode, f in timed:
-      seconds, _ = timing.repeat(timing.wall_clock(lambda i, f=f: f(*args), jax.block_until_ready),
-                                 n_sets=1, warmup=3, warmup_s=1.0, reps=30, min_reps=30,
-                                 budget_s=60.0)
+      before = clocks.energy_mj()
+      seconds, info = timing.repeat(
+          timing.wall_clock(lambda i, f=f: f(*args), jax.block_until_ready), n_sets=1, warmup=3,
+          warmup_s=1.0, reps=30, min_reps=30, budget_s=60.0)
+      energy = joules_a_call(before, clocks.energy_mj(), info["warmup_calls"] + len(seconds))
       median = timing.summarize(seconds)["median"]
-      print(f"{name} {shape_name} wall {mode} {median:.3f} ms", flush=True)
+      print(f"{name} {shape_name} wall {mode} {median:.3f} ms{energy}", flush=True)
       # Back to back the GPU reaches its power limit: the SM clock meanwhile, to compare at.
       gpu = {}
+      before = clocks.energy_mj()
       with clocks.sampling(gpu, "b2b"):
-        seconds, _ = timing.batched(lambda i, f=f: f(*args), jax.block_until_ready, n_sets=1,
-                                    warmup_s=0.5, reps=10, min_reps=5, budget_s=10.0,
-                                    max_in_flight=2)
+        seconds, info = timing.batched(lambda i, f=f: f(*args), jax.block_until_ready, n_sets=1,
+                                       warmup_s=0.5, reps=10, min_reps=5, budget_s=10.0,
+                                       max_in_flight=2)
+      energy = joules_a_call(before, clocks.energy_mj(),
+                             info["warmup_calls"] + len(seconds) * info["calls_per_sample"])
       median = b2b_ms[mode] = timing.summarize(seconds)["median"]
       clock = (f" at {gpu['b2b']['sm_mhz']:.0f} MHz, {gpu['b2b']['power_w']:.0f} W"
                if gpu else "")
-      print(f"{name} {shape_name} b2b {mode} {median:.3f} ms{clock}", flush=True)
+      print(f"{name} {shape_name} b2b {mode} {median:.3f} ms{clock}{energy}", flush=True)
     for mode, f in timed:
       for label, calls, in_flight in (("", 5, 0),
                                       ("b2b-", max(5, min(100, round(300 / b2b_ms[mode]))), 2)):

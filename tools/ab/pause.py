@@ -11,7 +11,7 @@ import time
 
 import jax
 
-from measure import mode_call
+from measure import joules_a_call, mode_call
 from mok_jax.bench import clocks
 from mok_jax.bench import timing
 
@@ -19,19 +19,21 @@ CALLS = 30
 HEAT_S = 1.0
 
 
-def timed_calls(call, pause_ms, calls=CALLS, heat_s=HEAT_S):
-  """Seconds of each of `calls` synchronised calls, each after `pause_ms` of sleep on the host,
-  after `heat_s` seconds of calls without pauses."""
+def timed_calls(call, pause_ms, calls=CALLS, heat_s=HEAT_S, energy=clocks.energy_mj):
+  """(seconds of each of `calls` synchronised calls, each after `pause_ms` of sleep on the host,
+  after `heat_s` seconds of calls without pauses; the GPU's joules a call over them, pauses
+  included, as joules_a_call prints them)."""
   start = time.perf_counter()
   while time.perf_counter() - start < heat_s:
     jax.block_until_ready(call())
+  before = energy()
   seconds = []
   for _ in range(calls):
     time.sleep(pause_ms / 1e3)
     begin = time.perf_counter()
     jax.block_until_ready(call())
     seconds.append(time.perf_counter() - begin)
-  return seconds
+  return seconds, joules_a_call(before, energy(), calls)
 
 
 def main(argv):
@@ -43,13 +45,13 @@ def main(argv):
   for pause in pauses:
     gpu = {}
     with clocks.sampling(gpu, "calls"):
-      seconds = timed_calls(lambda: f(*args), pause)
+      seconds, joules = timed_calls(lambda: f(*args), pause)
     ms = timing.summarize(seconds)
     clock = (f" at {gpu['calls']['sm_mhz']:.0f} MHz ({gpu['calls']['sm_mhz_min']:.0f}-"
              f"{gpu['calls']['sm_mhz_max']:.0f}), {gpu['calls']['power_w']:.0f} W"
              if gpu else "")
     print(f"{shape} {mode} pause {pause:g} ms: {ms['median']:.3f} ms a call "
-          f"(p25-p75 {ms['p25']:.3f}-{ms['p75']:.3f}){clock}", flush=True)
+          f"(p25-p75 {ms['p25']:.3f}-{ms['p75']:.3f}){clock}{joules}", flush=True)
 
 
 if __name__ == "__main__":
