@@ -141,12 +141,12 @@ def test_pause_times_each_pause_after_the_pause():
   assert all(float(line.split(": ")[1].split()[0]) > 0 for line in out)
 
 
-
 def test_joules_a_call():
   joules_a_call = _tool("measure").joules_a_call
   assert joules_a_call(5_000, 17_500, 10) == ", 1.250 J a call"
   assert joules_a_call(None, 17_500, 10) == joules_a_call(5_000, None, 10) == ""
   assert joules_a_call(5_000, 17_500, 0) == ""
+
 
 # A cuobjdump -sass excerpt: kernel k, whose k-loop (0x0030-0x0070) holds an LDL, and whose
 # tile loop around it (0x0010-0x0090) a STL; kernel j has no loop.

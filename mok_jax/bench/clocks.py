@@ -81,8 +81,8 @@ def sampling(out: dict, key: str):
 def energy_mj(visible: str | None = None) -> int | None:
   """The job's GPU's energy counter (NVML's nvmlDeviceGetTotalEnergyConsumption: millijoules
   since the driver loaded), or None without NVML or the counter (a CPU machine). Two readings
-  around some calls give their joules, which the power cap does not blur as it does their time
-  (docs/performance.md, Runs and machines)."""
+  around some calls give their joules, which a call's time follows once the GPU runs at its
+  power cap (docs/performance.md, Runs and machines)."""
   try:
     nvml = ctypes.CDLL("libnvidia-ml.so.1")
   except OSError:

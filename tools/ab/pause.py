@@ -1,6 +1,7 @@
 """What the GPU's power cap costs a synchronised call: the layer's call timed as the bench times it
 (the host clock around the call and block_until_ready), with the GPU left idle for PAUSE ms
-before each call, for each pause asked, with the SM clock and power draw meanwhile. A call that
+before each call, for each pause asked, with the SM clock and power draw meanwhile and the GPU's
+joules a call (NVML's counter; pauses included, so only rows without pauses compare). A call that
 meets the 700 W cap runs at a lower clock; a pause lets the power average fall first, so the
 difference between pauses is the part of a call's time that its energy costs under the cap.
 Each pause starts after a second of calls without pauses, so that every row starts from the
