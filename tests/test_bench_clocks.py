@@ -80,3 +80,17 @@ def test_energy_counter_is_none_without_nvml(monkeypatch):
 
   monkeypatch.setattr(clocks.ctypes, "CDLL", no_library)
   assert clocks.energy_mj() is None
+
+
+def test_sampling_records_the_blocks_joules(fake_smi, monkeypatch):
+  readings = iter([1_000, 4_500])  # mJ as the block starts and ends
+  monkeypatch.setattr(clocks, "energy_mj", lambda: next(readings))
+  out = {}
+  with clocks.sampling(out, "gpu"):
+    time.sleep(0.05)
+  assert out["gpu"]["energy_j"] == 3.5 and out["gpu"]["samples"] >= 1
+  monkeypatch.setattr(clocks, "energy_mj", lambda: None)  # no NVML: no joules, the rest stands
+  out = {}
+  with clocks.sampling(out, "gpu"):
+    time.sleep(0.05)
+  assert "energy_j" not in out["gpu"] and out["gpu"]["samples"] >= 1

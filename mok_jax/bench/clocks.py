@@ -50,7 +50,8 @@ def parse(text: str) -> dict | None:
 
 @contextlib.contextmanager
 def sampling(out: dict, key: str):
-  """Samples the job's GPU every PERIOD_MS while the block runs; then out[key] = parse(...).
+  """Samples the job's GPU every PERIOD_MS while the block runs; then out[key] = parse(...),
+  with the GPU's joules over the whole block (`energy_j`, energy_mj) where NVML counts them.
   Without nvidia-smi (a CPU machine) or without a sample, out is left as it is: the timing
   never depends on the sampler."""
   exe = shutil.which("nvidia-smi")
@@ -64,9 +65,11 @@ def sampling(out: dict, key: str):
   except OSError:
     yield
     return
+  start_mj = energy_mj()
   try:
     yield
   finally:
+    end_mj = energy_mj()
     proc.terminate()
     try:
       text, _ = proc.communicate(timeout=5)
@@ -75,6 +78,8 @@ def sampling(out: dict, key: str):
       text, _ = proc.communicate()
     found = parse(text or "")
     if found:
+      if start_mj is not None and end_mj is not None:
+        found["energy_j"] = round((end_mj - start_mj) / 1e3, 3)
       out[key] = found
 
 
