@@ -471,6 +471,8 @@ def test_repeat_ignores_a_slow_first_call(monkeypatch):
   seconds, how = timing.repeat(run_once, n_sets=3, warmup=3, warmup_s=0.5, reps=20,
                                min_reps=5, budget_s=2.0, prior_s=2.5)
   assert len(seconds) == 20 and how["warmup_s"] >= 0.5
+  # The calls made in repeat (what a sampler around it saw), not the caller's first one.
+  assert how["calls"] == how["warmup_calls"] - 1 + 20 == round(clock.now / 0.017)
 
 
 def test_batched_syncs_once_per_sample(monkeypatch):
@@ -487,6 +489,7 @@ def test_batched_syncs_once_per_sample(monkeypatch):
   assert how["calls_per_sample"] == 50 and how["warmup_s"] >= 2.0
   assert len(seconds) == 20 and all(s == pytest.approx(0.001) for s in seconds)
   assert len(syncs) < (how["warmup_calls"] + 20 * 50) / 10  # far fewer syncs than calls
+  assert how["calls"] == how["warmup_calls"] + 20 * 50 == round(clock.now / 0.001)
 
 
 def test_batched_bounds_the_calls_in_flight(monkeypatch):
@@ -604,6 +607,30 @@ def test_report_shows_the_clocks():
   assert "b2b MHz" in text and "at SM clock 1500 MHz (1110-1845), 687 W" in text
   row = next(line for line in text.splitlines() if line.startswith("  mok_jax:cuda"))
   assert "1395" in row.split()
+
+
+def test_report_shows_joules_a_call():
+  """The energy that clocks.sampling read over a timing, over the calls the timing made: in the
+  record (one at a time and back to back) and in the b2b J column."""
+  gpu = {"sm_mhz": 1395.0, "sm_mhz_min": 1110.0, "sm_mhz_max": 1845.0, "power_w": 686.7,
+         "power_w_max": 706.1, "samples": 9}
+  ok = dict(_record("mok_jax:cuda", "mok_jax", 2.0, {}), ms_b2b={"median": 1.0},
+            gpu=dict(gpu, energy_j=30.0), timing={"calls": 20},
+            gpu_b2b=dict(gpu, energy_j=45.0), timing_b2b={"calls": 100})
+  old = dict(_record("torch._grouped_mm", "peer", 3.0, {}), ms_b2b={"median": 1.5},
+             gpu_b2b=gpu, timing_b2b={"calls_per_sample": 4})  # a record before energy_j
+  derived = {r["impl"]: r for r in report.derive([ok, old])}
+  assert derived["mok_jax:cuda"]["j_per_call"] == pytest.approx(1.5)
+  assert derived["mok_jax:cuda"]["j_per_call_b2b"] == pytest.approx(0.45)
+  assert "j_per_call" not in derived["torch._grouped_mm"]
+  assert "j_per_call_b2b" not in derived["torch._grouped_mm"]
+  text = report.table(list(derived.values()))
+  head = next(line for line in text.splitlines() if line.startswith("  impl"))
+  assert "b2b MHz  b2b J" in head
+  cells = {line.split()[0]: line.split() for line in text.splitlines()
+           if line.startswith("  mok_jax:cuda") or line.startswith("  torch._grouped_mm")}
+  assert cells["mok_jax:cuda"][6:8] == ["1395", "0.45"]
+  assert cells["torch._grouped_mm"][6:8] == ["1395", "-"]
 
 
 def test_latest_keeps_newest_record_per_case():

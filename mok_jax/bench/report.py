@@ -67,8 +67,17 @@ def tflops(flops: int, ms: float) -> float:
   return flops / (ms * 1e-3) / 1e12
 
 
+def joules_a_call(gpu: dict | None, how: dict | None) -> float | None:
+  """The GPU's joules a call over one sampled timing: the energy that clocks.sampling read over
+  the block (energy_j) over the calls the timing made in it (timing's calls), or None where
+  either is missing (no NVML; records before 2026-12-04)."""
+  energy, calls = (gpu or {}).get("energy_j"), (how or {}).get("calls")
+  return energy / calls if energy is not None and calls else None
+
+
 def derive(records: list[dict]) -> list[dict]:
-  """Copies of the records with tflops, pct_of_peak, best_peer, speedup_vs_best_peer, check;
+  """Copies of the records with tflops, pct_of_peak, best_peer, speedup_vs_best_peer, check,
+  and joules a call one at a time and back to back (j_per_call, j_per_call_b2b) where measured;
   breakdown records with full_ms, stage_ms and stage_pct (see _derive_breakdown)."""
   out = [dict(r) for r in records]
   peaks_by_run, peaks_by_dtype = {}, {}
@@ -86,6 +95,10 @@ def derive(records: list[dict]) -> list[dict]:
       r["tflops"] = tflops(r["flops"], r["ms"]["median"])
       if r.get("ms_b2b"):
         r["tflops_b2b"] = tflops(r["flops"], r["ms_b2b"]["median"])
+      for suffix in ("", "_b2b"):
+        joules = joules_a_call(r.get("gpu" + suffix), r.get("timing" + suffix))
+        if joules is not None:
+          r["j_per_call" + suffix] = joules
       peak = peaks_by_run.get((r.get("run_id"), r.get("dtype")),
                               peaks_by_dtype.get(r.get("dtype")))
       r["peak_tflops"] = peak
@@ -238,7 +251,10 @@ def _header(records: list[dict]) -> list[str]:
                  "of samples of about")
     lines.append(f"  {' or '.join(map(str, sample_ms))} ms of calls, one sync each), without a "
                  "sync's latency between two calls; b2b MHz: the median SM clock")
-    lines.append("  meanwhile (nvidia-smi every 0.1 s; a GPU at its power limit clocks lower)")
+    lines.append("  meanwhile (nvidia-smi every 0.1 s; a GPU at its power limit clocks lower); "
+                 "b2b J: the GPU's joules a call")
+    lines.append("  meanwhile (NVML's energy counter over the warm-up and timed calls; at the "
+                 "power limit a call's time follows it)")
   lines.append("vs peer = the best peer's median / this median; compile s = jit lower+compile "
                "(JAX), first call (eager PyTorch)")
   return lines
@@ -258,8 +274,8 @@ def table(records: list[dict]) -> str:
   if not moe:
     return "\n".join(_header(records) + ["(no MoE records)"])
   notes = _Notes()
-  widths = (24, 10, 25, 8, 8, 8, 7, 7, 8, 8, 9)
-  head = ("  impl", "median ms", "min-max ms", "TF/s", "b2b ms", "b2b TF/s", "b2b MHz",
+  widths = (24, 10, 25, 8, 8, 8, 7, 7, 7, 8, 8, 9)
+  head = ("  impl", "median ms", "min-max ms", "TF/s", "b2b ms", "b2b TF/s", "b2b MHz", "b2b J",
           "% peak", "vs peer", "mem GiB", "compile s")
   lines = _header(records)
   for mode in MODES:
@@ -292,15 +308,16 @@ def table(records: list[dict]) -> str:
         asked = (r.get("timing") or {}).get("reps_asked")
         if asked and ms.get("n", asked) < asked:
           spread += f" (n={ms['n']})"
-        b2b = ("-", "-", "-")
+        b2b = ("-", "-", "-", "-")
         if r.get("ms_b2b"):
           clock = (r.get("gpu_b2b") or {}).get("sm_mhz")
+          joules = r.get("j_per_call_b2b")
           b2b = (_fmt_ms(r["ms_b2b"]["median"]), _fmt_tf(r["tflops_b2b"]),
-                 f"{clock:.0f}" if clock else "-")
+                 f"{clock:.0f}" if clock else "-", f"{joules:.3g}" if joules else "-")
         elif r.get("b2b_status"):
           why = f"{r['impl']} on {r['shape']} {mode}, back to back: {r.get('b2b_reason')}"
           b2b = (STATUS_TEXT.get(r["b2b_status"], r["b2b_status"]) + " " + notes.ref(why),
-                 "-", "-")
+                 "-", "-", "-")
         cells = (median, spread, _fmt_tf(r["tflops"]), *b2b,
                  f"{r['pct_of_peak']:.1f}" if r.get("pct_of_peak") is not None else "-",
                  f"{speed:.2f}x" if speed else "-",
@@ -309,7 +326,7 @@ def table(records: list[dict]) -> str:
       else:
         status = STATUS_TEXT.get(r.get("status"), r.get("status") or "?")
         reason = r.get("reason") or ""
-        cells = (f"{status} {notes.ref(reason)}" if reason else status,) + ("",) * 9
+        cells = (f"{status} {notes.ref(reason)}" if reason else status,) + ("",) * 10
       lines.append("  ".join(str(c).ljust(w) for c, w in zip((impl,) + cells, widths)).rstrip())
   if notes.texts:
     lines.append("")

@@ -49,7 +49,8 @@ def repeat(run_once: Callable[[int], float], *, n_sets: int, warmup: int, reps: 
   seconds), then a planned number of timed ones. prior_s: seconds of the first call, which the
   caller made (for checksums); it may include one-time work (kernel loading, cuBLAS handles),
   so it neither counts as warm-up time nor sets the number of timed calls, unless no warm-up
-  is asked for. Returns (timed seconds, how they were taken; warmup_calls includes the first)."""
+  is asked for. Returns (timed seconds, how they were taken; warmup_calls includes the first,
+  calls counts the calls made here, warm-up and timed, without it)."""
   own, elapsed, last = 0, 0.0, prior_s
   start = time.perf_counter()
   while not ((own >= warmup and elapsed >= warmup_s)
@@ -60,7 +61,7 @@ def repeat(run_once: Callable[[int], float], *, n_sets: int, warmup: int, reps: 
   n = plan_reps(last, reps, min_reps, budget_s) if last is not None else reps
   seconds = [run_once((own + i) % n_sets) for i in range(n)]
   return seconds, {"warmup_calls": own + (prior_s is not None), "warmup_s": round(elapsed, 4),
-                   "reps_asked": reps, "calls_per_sample": 1}
+                   "reps_asked": reps, "calls_per_sample": 1, "calls": own + n}
 
 
 def wall_clock(call: Callable[[int], object], sync: Callable[[object], None]):
@@ -112,7 +113,8 @@ def batched(call: Callable[[int], object], sync: Callable[[object], None], *, n_
     seconds.append(run_batch(calls, size))
     calls += size
   return seconds, {"warmup_calls": calls - n * size, "warmup_s": round(warm_s, 4),
-                   "reps_asked": reps, "calls_per_sample": size, "sample_s": sample_s}
+                   "reps_asked": reps, "calls_per_sample": size, "sample_s": sample_s,
+                   "calls": calls}
 
 
 def summarize(seconds: list[float]) -> dict:
