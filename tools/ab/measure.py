@@ -33,6 +33,7 @@ import mok_jax
 from mok_jax import functional
 from mok_jax.bench import clocks
 from mok_jax.bench import inputs as bench_inputs
+from mok_jax.bench import report
 from mok_jax.bench import shapes as bench_shapes
 from mok_jax.bench import timing
 
@@ -133,13 +134,12 @@ def digest(a) -> str:
   return f"{first:08x}{second:08x}"[:10]
 
 
-def joules_a_call(before_mj, after_mj, calls):
-  """", X.XXX J a call" from the GPU's energy counter read before and after `calls` calls
-  (clocks.energy_mj), or "" without both readings. Under the power cap a call's time follows
-  its energy: A/Bs compare builds by both (docs/performance.md, Runs and machines)."""
-  if before_mj is None or after_mj is None or calls <= 0:
-    return ""
-  return f", {(after_mj - before_mj) / calls / 1e3:.3f} J a call"
+def joules(gpu, how):
+  """", X.XXX J a call" over a timing that clocks.sampling watched (report.joules_a_call), or
+  "" where the GPU's energy was not counted. Under the power cap a call's time follows its
+  energy: A/Bs compare builds by both (docs/performance.md, Runs and machines)."""
+  j = report.joules_a_call(gpu, how)
+  return f", {j:.3f} J a call" if j is not None else ""
 
 
 def short(kernel):
@@ -222,26 +222,24 @@ def main(argv):
     timed = [(m, f) for m, f in (("fwd", f_fwd), ("fwd+bwd", f_step)) if m in modes]
     b2b_ms = {}
     for mode, f in timed:
-      before = clocks.energy_mj()
-      seconds, info = timing.repeat(
-          timing.wall_clock(lambda i, f=f: f(*args), jax.block_until_ready), n_sets=1, warmup=3,
-          warmup_s=1.0, reps=30, min_reps=30, budget_s=60.0)
-      energy = joules_a_call(before, clocks.energy_mj(), info["warmup_calls"] + len(seconds))
-      median = timing.summarize(seconds)["median"]
-      print(f"{name} {shape_name} wall {mode} {median:.3f} ms{energy}", flush=True)
-      # Back to back the GPU reaches its power limit: the SM clock meanwhile, to compare at.
       gpu = {}
-      before = clocks.energy_mj()
+      with clocks.sampling(gpu, "wall"):
+        seconds, info = timing.repeat(
+            timing.wall_clock(lambda i, f=f: f(*args), jax.block_until_ready), n_sets=1,
+            warmup=3, warmup_s=1.0, reps=30, min_reps=30, budget_s=60.0)
+      median = timing.summarize(seconds)["median"]
+      print(f"{name} {shape_name} wall {mode} {median:.3f} ms{joules(gpu.get('wall'), info)}",
+            flush=True)
+      # Back to back the GPU reaches its power limit: the SM clock meanwhile, to compare at.
       with clocks.sampling(gpu, "b2b"):
         seconds, info = timing.batched(lambda i, f=f: f(*args), jax.block_until_ready, n_sets=1,
                                        warmup_s=0.5, reps=10, min_reps=5, budget_s=10.0,
                                        max_in_flight=2)
-      energy = joules_a_call(before, clocks.energy_mj(),
-                             info["warmup_calls"] + len(seconds) * info["calls_per_sample"])
       median = b2b_ms[mode] = timing.summarize(seconds)["median"]
       clock = (f" at {gpu['b2b']['sm_mhz']:.0f} MHz, {gpu['b2b']['power_w']:.0f} W"
-               if gpu else "")
-      print(f"{name} {shape_name} b2b {mode} {median:.3f} ms{clock}{energy}", flush=True)
+               if "b2b" in gpu else "")
+      print(f"{name} {shape_name} b2b {mode} {median:.3f} ms{clock}{joules(gpu.get('b2b'), info)}",
+            flush=True)
     for mode, f in timed:
       for label, calls, in_flight in (("", 5, 0),
                                       ("b2b-", max(5, min(100, round(300 / b2b_ms[mode]))), 2)):

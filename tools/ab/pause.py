@@ -12,7 +12,7 @@ import time
 
 import jax
 
-from measure import joules_a_call, mode_call
+from measure import joules, mode_call
 from mok_jax.bench import clocks
 from mok_jax.bench import timing
 
@@ -20,21 +20,23 @@ CALLS = 30
 HEAT_S = 1.0
 
 
-def timed_calls(call, pause_ms, calls=CALLS, heat_s=HEAT_S, energy=clocks.energy_mj):
-  """(seconds of each of `calls` synchronised calls, each after `pause_ms` of sleep on the host,
-  after `heat_s` seconds of calls without pauses; the GPU's joules a call over them, pauses
-  included, as joules_a_call prints them)."""
+def heat(call, heat_s=HEAT_S):
+  """Calls without pauses for `heat_s` seconds: every row starts at the power average they
+  leave."""
   start = time.perf_counter()
   while time.perf_counter() - start < heat_s:
     jax.block_until_ready(call())
-  before = energy()
+
+
+def timed_calls(call, pause_ms, calls=CALLS):
+  """Seconds of each of `calls` synchronised calls, each after `pause_ms` of sleep on the host."""
   seconds = []
   for _ in range(calls):
     time.sleep(pause_ms / 1e3)
     begin = time.perf_counter()
     jax.block_until_ready(call())
     seconds.append(time.perf_counter() - begin)
-  return seconds, joules_a_call(before, energy(), calls)
+  return seconds
 
 
 def main(argv):
@@ -44,15 +46,17 @@ def main(argv):
   f, args = mode_call(shape, mode)
   jax.block_until_ready(f(*args))
   for pause in pauses:
+    heat(lambda: f(*args))
     gpu = {}
     with clocks.sampling(gpu, "calls"):
-      seconds, joules = timed_calls(lambda: f(*args), pause)
+      seconds = timed_calls(lambda: f(*args), pause)
     ms = timing.summarize(seconds)
-    clock = (f" at {gpu['calls']['sm_mhz']:.0f} MHz ({gpu['calls']['sm_mhz_min']:.0f}-"
-             f"{gpu['calls']['sm_mhz_max']:.0f}), {gpu['calls']['power_w']:.0f} W"
-             if gpu else "")
+    row = gpu.get("calls")
+    clock = (f" at {row['sm_mhz']:.0f} MHz ({row['sm_mhz_min']:.0f}-{row['sm_mhz_max']:.0f}), "
+             f"{row['power_w']:.0f} W" if row else "")
     print(f"{shape} {mode} pause {pause:g} ms: {ms['median']:.3f} ms a call "
-          f"(p25-p75 {ms['p25']:.3f}-{ms['p75']:.3f}){clock}{joules}", flush=True)
+          f"(p25-p75 {ms['p25']:.3f}-{ms['p75']:.3f}){clock}"
+          f"{joules(row, {'calls': len(seconds)})}", flush=True)
 
 
 if __name__ == "__main__":
