@@ -13,6 +13,10 @@
 # TESTS=name[,name] runs this tree's GPU tests against those builds after the measures (their
 # last lines in ab.log, their output in ab_logs.txt), so that an A/B and the tests of the build
 # to keep fit in one call; TESTS_TIMEOUT (default 300) bounds each build's tests, in seconds.
+# ENVS="VAR=value[,VAR=value] ..." measures every build once more with each of those settings of
+# the launch choices' environment (MOK_GEMM_CLUSTER, MOK_GEMM_TAILS, MOK_WGRAD_RUN, ...; read
+# once per process, the same bits), named build@settings in ab.log: a sweep of one build's knobs
+# by time and by joules a call, which the power cap makes two different questions.
 #
 # NOTES: an editable install of mok_jax (pip install -e) puts an import finder in front of
 # PYTHONPATH: with one present, every name measured that one build (2026-11-30). It is
@@ -45,9 +49,12 @@ for v in $names; do
 done
 for r in $(seq $rounds); do
   for v in $built; do
-    PYTHONPATH=/tmp/ab/$v:$PYTHONPATH timeout ${MEASURE_TIMEOUT:-300} python3 tools/ab/measure.py $v $shapes \
-      ${MODES:-fwd,fwd+bwd} \
-      2> $logs/measure_${v}_$r.err | tee -a $OUT/ab.log
+    for e in "" ${ENVS:-}; do
+      name=$v${e:+@$e}
+      env ${e//,/ } PYTHONPATH=/tmp/ab/$v:$PYTHONPATH timeout ${MEASURE_TIMEOUT:-300} \
+        python3 tools/ab/measure.py $name $shapes ${MODES:-fwd,fwd+bwd} \
+        2> "$logs/measure_${name//[^A-Za-z0-9_.-]/_}_$r.err" | tee -a $OUT/ab.log
+    done
   done
 done
 tests=${TESTS:-}
