@@ -97,12 +97,16 @@ def energy_mj(visible: str | None = None) -> int | None:
   try:
     if nvml.nvmlInit_v2() != 0:
       return None
+  except AttributeError:  # an NVML without these entry points
+    return None
+  try:
     if which.isdigit():
       found = nvml.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(int(which)), ctypes.byref(handle))
     else:
       found = nvml.nvmlDeviceGetHandleByUUID(which.encode(), ctypes.byref(handle))
     ok = found == 0 and nvml.nvmlDeviceGetTotalEnergyConsumption(handle, ctypes.byref(mj)) == 0
-    nvml.nvmlShutdown()
-  except AttributeError:  # an NVML without these entry points
-    return None
+  except AttributeError:
+    ok = False
+  finally:
+    nvml.nvmlShutdown()  # each successful init is matched, whatever the lookups did
   return mj.value if ok else None
