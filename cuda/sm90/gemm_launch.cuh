@@ -287,6 +287,14 @@ const char* ChainTiles(const ChainParams& c, int64_t* tiles) {
   return nullptr;
 }
 
+// The CTAs of a weight-gradient launch: one an SM. MOK_WGRAD_CTAS=n runs it on n (a
+// diagnostic: whether a launch that waits on its stores and its loads from L2 beside them gives
+// the same time on fewer SMs for less energy, which the power cap turns into time).
+inline int WeightGradCtas(int sms) {
+  static const int forced = EnvOverride("MOK_WGRAD_CTAS", 1, 1 << 20);
+  return forced > 0 ? std::min(forced, sms) : sms;
+}
+
 // The prepared GEMMs of `c` on a persistent grid that takes its tiles from c.queue.
 template <class Kind0, class Kind1>
 const char* LaunchQueued(const ChainParams& c, cudaStream_t stream) {
@@ -295,6 +303,7 @@ const char* LaunchQueued(const ChainParams& c, cudaStream_t stream) {
   if (tiles == 0) return nullptr;
   int sms = 0;
   if (auto err = SmCount(&sms)) return err;
+  if constexpr (Kind0::kSched == Schedule::kGroupedK) sms = WeightGradCtas(sms);
   // A unit of two tiles holds at least one: `tiles` bounds the units too. Only row-grouped
   // GEMMs run in clusters (a weight-gradient chain launched alone would not compile else).
   if constexpr (Kind0::kSched == Schedule::kRowsByGroup) {
