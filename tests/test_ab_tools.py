@@ -140,9 +140,10 @@ def test_pause_times_each_pause_after_the_pause():
 
 def test_joules_a_call_as_printed():
   joules = _tool("measure").joules
-  assert joules({"energy_j": 12.5, "sm_mhz": 1500.0}, {"calls": 10}) == ", 1.250 J a call"
-  assert joules({"sm_mhz": 1500.0}, {"calls": 10}) == joules(None, {"calls": 10}) == ""
-  assert joules({"energy_j": 12.5}, {"calls": 0}) == joules({"energy_j": 12.5}, {}) == ""
+  assert joules({"energy_j": 12.5, "block_s": 2.5, "sm_mhz": 1500.0},
+                {"timed_calls": 10}) == ", 1.250 J a call (5 W)"
+  assert joules({"sm_mhz": 1500.0}, {"timed_calls": 10}) == joules(None, {"timed_calls": 10}) == ""
+  assert joules({"energy_j": 12.5}, {"timed_calls": 0}) == joules({"energy_j": 12.5}, {}) == ""
 
 
 # A cuobjdump -sass excerpt: kernel k, whose k-loop (0x0030-0x0070) holds an LDL, and whose

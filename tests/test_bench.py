@@ -468,11 +468,15 @@ def test_repeat_ignores_a_slow_first_call(monkeypatch):
     clock.now += 0.017
     return 0.017
 
+  marked = []
   seconds, how = timing.repeat(run_once, n_sets=3, warmup=3, warmup_s=0.5, reps=20,
-                               min_reps=5, budget_s=2.0, prior_s=2.5)
+                               min_reps=5, budget_s=2.0, prior_s=2.5,
+                               on_timed=lambda: marked.append(clock.now))
   assert len(seconds) == 20 and how["warmup_s"] >= 0.5
-  # The calls made in repeat (what a sampler around it saw), not the caller's first one.
-  assert how["calls"] == how["warmup_calls"] - 1 + 20 == round(clock.now / 0.017)
+  # on_timed (a sampler's mark) runs once, after the warm-up and before the timed calls.
+  assert how["timed_calls"] == 20 and len(marked) == 1
+  assert marked[0] == pytest.approx((how["warmup_calls"] - 1) * 0.017)
+  assert clock.now - marked[0] == pytest.approx(20 * 0.017)
 
 
 def test_batched_syncs_once_per_sample(monkeypatch):
@@ -484,12 +488,15 @@ def test_batched_syncs_once_per_sample(monkeypatch):
     clock.now += 0.001
     return i
 
+  marked = []
   seconds, how = timing.batched(call, syncs.append, n_sets=2, warmup_s=2.0, reps=20, min_reps=5,
-                                budget_s=3.0)
+                                budget_s=3.0, on_timed=lambda: marked.append(clock.now))
   assert how["calls_per_sample"] == 50 and how["warmup_s"] >= 2.0
   assert len(seconds) == 20 and all(s == pytest.approx(0.001) for s in seconds)
   assert len(syncs) < (how["warmup_calls"] + 20 * 50) / 10  # far fewer syncs than calls
-  assert how["calls"] == how["warmup_calls"] + 20 * 50 == round(clock.now / 0.001)
+  assert how["timed_calls"] == 20 * 50 and len(marked) == 1
+  assert marked[0] == pytest.approx(how["warmup_calls"] * 0.001)
+  assert clock.now - marked[0] == pytest.approx(20 * 50 * 0.001)
 
 
 def test_batched_bounds_the_calls_in_flight(monkeypatch):
@@ -610,13 +617,13 @@ def test_report_shows_the_clocks():
 
 
 def test_report_shows_joules_a_call():
-  """The energy that clocks.sampling read over a timing, over the calls the timing made: in the
+  """The energy that clocks.sampling read over a timing's timed calls, over their count: in the
   record (one at a time and back to back) and in the b2b J column."""
   gpu = {"sm_mhz": 1395.0, "sm_mhz_min": 1110.0, "sm_mhz_max": 1845.0, "power_w": 686.7,
          "power_w_max": 706.1, "samples": 9}
   ok = dict(_record("mok_jax:cuda", "mok_jax", 2.0, {}), ms_b2b={"median": 1.0},
-            gpu=dict(gpu, energy_j=30.0), timing={"calls": 20},
-            gpu_b2b=dict(gpu, energy_j=45.0), timing_b2b={"calls": 100})
+            gpu=dict(gpu, energy_j=30.0), timing={"timed_calls": 20},
+            gpu_b2b=dict(gpu, energy_j=45.0), timing_b2b={"timed_calls": 100})
   old = dict(_record("torch._grouped_mm", "peer", 3.0, {}), ms_b2b={"median": 1.5},
              gpu_b2b=gpu, timing_b2b={"calls_per_sample": 4})  # a record before energy_j
   derived = {r["impl"]: r for r in report.derive([ok, old])}

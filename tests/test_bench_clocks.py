@@ -74,22 +74,63 @@ def test_without_nvidia_smi_the_timing_stands_alone(tmp_path, monkeypatch):
   assert out == {}
 
 
-def test_energy_counter_is_none_without_nvml(monkeypatch):
+def test_energy_reader_is_none_without_nvml(monkeypatch):
   def no_library(name):
     raise OSError(f"{name}: cannot open shared object file")
 
   monkeypatch.setattr(clocks.ctypes, "CDLL", no_library)
-  assert clocks.energy_mj() is None
+  assert clocks.energy_reader() is None
+  clocks.poll_energy("0")  # returns at once: nothing to poll
 
 
-def test_sampling_records_the_blocks_joules(fake_smi, monkeypatch):
-  readings = iter([1_000, 4_500])  # mJ as the block starts and ends
-  monkeypatch.setattr(clocks, "energy_mj", lambda: next(readings))
+def test_energy_between_takes_the_steps_inside_and_the_draw_at_each_end():
+  # 700 W in steps of 100 ms seen at t = 1.0, 1.1, ...: any block's joules are 700 W x its span,
+  # whatever the phase of its ends between two steps.
+  steps = [(1.0 + 0.1 * i, 5_000 + 70_000 * i) for i in range(30)]
+  for t0, t1 in ((1.234, 3.456), (1.05, 1.351), (2.0, 2.9)):
+    assert clocks.energy_between(steps, t0, t1) == pytest.approx(700 * (t1 - t0))
+  # A draw that changes: 100 W until 2.0, then 600 W; the block [1.95, 2.55] from its steps.
+  watts = [100 if 1.0 + 0.1 * i < 2.0 - 1e-9 else 600 for i in range(1, 30)]
+  steps = [(1.0, 0)]
+  for i, w in enumerate(watts, 1):
+    steps.append((1.0 + 0.1 * i, steps[-1][1] + 100 * w))
+  got = clocks.energy_between(steps, 2.0, 2.55)
+  assert got == pytest.approx(600 * 0.55)
+  # Fewer than three steps inside: no figure.
+  assert clocks.energy_between(steps, 2.01, 2.15) is None
+  assert clocks.energy_between([], 0.0, 10.0) is None
+
+
+def test_parse_steps_drops_the_first_reading_and_what_is_not_a_step():
+  assert clocks.parse_steps("1.0 5\nTraceback\n\n1.1 7\n1.2 9 extra\n") == [(1.1, 7), (1.2, 9)]
+  assert clocks.parse_steps("") == []
+
+
+# A stand-in energy poller: 100 W, a step every 20 ms, as "monotonic-seconds mJ" lines.
+FAKE_POLLER = textwrap.dedent("""\
+    import time
+    mj = 0
+    while True:
+      print(f"{time.monotonic():.6f} {mj}", flush=True)
+      time.sleep(0.02)
+      mj += 2000
+    """)
+
+
+def test_sampling_records_the_joules_from_its_mark(fake_smi, tmp_path, monkeypatch):
+  poller = tmp_path / "poller.py"
+  poller.write_text(FAKE_POLLER)
+  monkeypatch.setattr(clocks, "poller_args", lambda visible: [sys.executable, str(poller)])
   out = {}
-  with clocks.sampling(out, "gpu"):
-    time.sleep(0.05)
-  assert out["gpu"]["energy_j"] == 3.5 and out["gpu"]["samples"] >= 1
-  monkeypatch.setattr(clocks, "energy_mj", lambda: None)  # no NVML: no joules, the rest stands
+  with clocks.sampling(out, "gpu") as mark:
+    time.sleep(0.3)  # the warm-up: not counted
+    mark()
+    time.sleep(0.4)
+  gpu = out["gpu"]
+  assert gpu["samples"] >= 1 and 0.4 <= gpu["block_s"] < 0.6
+  assert gpu["energy_j"] == pytest.approx(100 * gpu["block_s"], rel=0.25)
+  # No poller output (no NVML): no joules, the rest stands.
+  monkeypatch.setattr(clocks, "poller_args", lambda visible: [sys.executable, "-c", "pass"])
   out = {}
   with clocks.sampling(out, "gpu"):
     time.sleep(0.05)

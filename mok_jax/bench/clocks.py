@@ -14,6 +14,8 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
+import time
 
 PERIOD_MS = 100
 QUERY = "clocks.sm,power.draw"
@@ -48,46 +50,111 @@ def parse(text: str) -> dict | None:
           "samples": len(mhz)}
 
 
+def _no_mark():
+  pass
+
+
+# The energy poller: this file run as a script in a process of its own (it imports nothing of
+# mok_jax, so it starts in tens of milliseconds), printing "monotonic-seconds mJ" for its first
+# reading and at every change of NVML's energy counter, which it reads every POLL_MS.
+POLL_MS = 1.0
+
+
+def energy_between(steps: list[tuple[float, int]], t0: float, t1: float) -> float | None:
+  """Joules the GPU used from time t0 to t1 (time.monotonic), from the energy counter's steps
+  [(time the poller saw it move, mJ)]: NVML's counter moves every 100 ms on an H200 (by the
+  draw of the 100 ms before; tools/ab/energy_ticks.py, 2026-12-04), so the joules between the
+  first and the last step inside [t0, t1] are exact, and the part of the block before the first
+  (after the last) is taken at the draw of the first (last) whole step inside it, all of it
+  busy in a timed block. None with fewer than three steps inside (a block shorter than about
+  0.3 s): no figure rather than one off by a step."""
+  inside = [(t, mj) for t, mj in steps if t0 <= t <= t1]
+  if len(inside) < 3:
+    return None
+  (ta, ea), (tb, eb) = inside[0], inside[1]
+  (tx, ex), (ty, ey) = inside[-2], inside[-1]
+  first_w, last_w = (eb - ea) / (tb - ta), (ey - ex) / (ty - tx)  # mJ a second
+  return ((ey - ea) + first_w * (ta - t0) + last_w * (t1 - ty)) / 1e3
+
+
+def parse_steps(text: str) -> list[tuple[float, int]]:
+  """The poller's lines -> its steps, without its first reading (not a step: the counter moved
+  at some unknown time before it)."""
+  readings = []
+  for line in text.splitlines():
+    fields = line.split()
+    try:
+      readings.append((float(fields[0]), int(fields[1])))
+    except (ValueError, IndexError):
+      continue
+  return readings[1:]
+
+
+def poller_args(visible: str) -> list[str]:
+  """The energy poller's command line: this file in an isolated interpreter (-I: no PYTHONPATH,
+  no script directory on sys.path)."""
+  return [sys.executable, "-I", os.path.abspath(__file__), visible]
+
+
+def _start(args: list[str]):
+  try:
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+  except OSError:
+    return None
+
+
+def _finish(proc) -> str:
+  if proc is None:
+    return ""
+  proc.terminate()
+  try:
+    text, _ = proc.communicate(timeout=5)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    text, _ = proc.communicate()
+  return text or ""
+
+
 @contextlib.contextmanager
 def sampling(out: dict, key: str):
   """Samples the job's GPU every PERIOD_MS while the block runs; then out[key] = parse(...),
-  with the GPU's joules over the whole block (`energy_j`, energy_mj) where NVML counts them.
-  Without nvidia-smi (a CPU machine) or without a sample, out is left as it is: the timing
-  never depends on the sampler."""
+  with the GPU's joules (`energy_j`, energy_between) over `block_s` seconds where NVML counts
+  them: from the block's start, or from the last call of the `mark` it yields (timing's
+  on_timed, so that the joules are the timed calls' and not the warm-up's, whose first
+  back-to-back calls may wait on allocations), to its end. Without nvidia-smi (a CPU machine) or
+  without a sample, out is left as it is: the timing never depends on the sampler."""
   exe = shutil.which("nvidia-smi")
   if exe is None:
-    yield
+    yield _no_mark
     return
-  try:
-    proc = subprocess.Popen(
-        [exe, "-i", gpu_index(), f"--query-gpu={QUERY}", "--format=csv,noheader,nounits",
-         "-lms", str(PERIOD_MS)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-  except OSError:
-    yield
+  smi = _start([exe, "-i", gpu_index(), f"--query-gpu={QUERY}", "--format=csv,noheader,nounits",
+                "-lms", str(PERIOD_MS)])
+  if smi is None:
+    yield _no_mark
     return
-  start_mj = energy_mj()
+  poller = _start(poller_args(gpu_index()))
+  start = [time.monotonic()]
+
+  def mark():
+    start[0] = time.monotonic()
+
   try:
-    yield
+    yield mark
   finally:
-    end_mj = energy_mj()
-    proc.terminate()
-    try:
-      text, _ = proc.communicate(timeout=5)
-    except subprocess.TimeoutExpired:
-      proc.kill()
-      text, _ = proc.communicate()
-    found = parse(text or "")
+    end = time.monotonic()
+    energy = energy_between(parse_steps(_finish(poller)), start[0], end)
+    found = parse(_finish(smi))
     if found:
-      if start_mj is not None and end_mj is not None:
-        found["energy_j"] = round((end_mj - start_mj) / 1e3, 3)
+      if energy is not None:
+        found["energy_j"] = round(energy, 3)
+        found["block_s"] = round(end - start[0], 4)
       out[key] = found
 
 
-def energy_mj(visible: str | None = None) -> int | None:
-  """The job's GPU's energy counter (NVML's nvmlDeviceGetTotalEnergyConsumption: millijoules
-  since the driver loaded), or None without NVML or the counter (a CPU machine). Two readings
-  around some calls give their joules, which a call's time follows once the GPU runs at its
-  power cap (docs/performance.md, Runs and machines)."""
+def energy_reader(visible: str | None = None):
+  """(read, close) for the job's GPU's energy counter (NVML's
+  nvmlDeviceGetTotalEnergyConsumption: millijoules since the driver loaded) on one open handle,
+  or None without NVML or the counter (a CPU machine)."""
   try:
     nvml = ctypes.CDLL("libnvidia-ml.so.1")
   except OSError:
@@ -107,6 +174,34 @@ def energy_mj(visible: str | None = None) -> int | None:
     ok = found == 0 and nvml.nvmlDeviceGetTotalEnergyConsumption(handle, ctypes.byref(mj)) == 0
   except AttributeError:
     ok = False
-  finally:
+  if not ok:
     nvml.nvmlShutdown()  # each successful init is matched, whatever the lookups did
-  return mj.value if ok else None
+    return None
+
+  def read() -> int | None:
+    if nvml.nvmlDeviceGetTotalEnergyConsumption(handle, ctypes.byref(mj)) != 0:
+      return None
+    return mj.value
+
+  return read, nvml.nvmlShutdown
+
+
+def poll_energy(visible: str) -> None:
+  """The energy poller (see POLL_MS): runs until terminated or the counter fails."""
+  reader = energy_reader(visible)
+  if reader is None:
+    return
+  read, close = reader
+  last = None
+  try:
+    while (mj := read()) is not None:
+      if mj != last:
+        print(f"{time.monotonic():.6f} {mj}", flush=True)
+        last = mj
+      time.sleep(POLL_MS / 1e3)
+  finally:
+    close()
+
+
+if __name__ == "__main__":
+  poll_energy(sys.argv[1])

@@ -96,11 +96,11 @@ def back_to_back(call, sync, job: dict) -> dict:
   # gpu_b2b: the SM clock and power meanwhile (clocks.py), which a power limit lowers.
   found = {}
   try:
-    with clocks.sampling(found, "gpu_b2b"):
+    with clocks.sampling(found, "gpu_b2b") as mark:
       seconds, how = timing.batched(call, sync, n_sets=job["sets"], warmup_s=0.0,
                                     reps=job["reps"], min_reps=min(3, job["min_reps"]),
                                     budget_s=job["budget_s"] / 2, sample_s=B2B_SAMPLE_S,
-                                    max_in_flight=2)
+                                    max_in_flight=2, on_timed=mark)
   except Exception as exc:  # pylint: disable=broad-except
     return {"b2b_status": peers.failure_status(exc), "b2b_reason": peers.describe_exception(exc)}
   return {"ms_b2b": timing.summarize(seconds), "timing_b2b": how, **found}
@@ -190,11 +190,11 @@ def _run_peak(job: dict):
     compiled = jax.jit(jnp.dot).lower(*sets[0]).compile()
     record["compile_s"] = time.perf_counter() - t0
     yield stage("dense", "warm-up and timing")
-    with clocks.sampling(record, "gpu"):
+    with clocks.sampling(record, "gpu") as mark:
       seconds, how = timing.batched(lambda i: compiled(*sets[i]), jax.block_until_ready,
                                     n_sets=job["sets"], warmup_s=job["peak_warmup_s"],
                                     reps=job["reps"], min_reps=job["min_reps"],
-                                    budget_s=job["budget_s"])
+                                    budget_s=job["budget_s"], on_timed=mark)
     record.update(status="ok", ms=timing.summarize(seconds), timing=how)
   except Exception as exc:  # pylint: disable=broad-except
     record.update(status=peers.failure_status(exc), reason=peers.describe_exception(exc))
@@ -341,11 +341,11 @@ def _time_jax_mode(job, layer, params, sets, mode):
     yield stage(mode, f"warm-up and timing (first call {first_s * 1e3:.1f} ms)")
     run_once = timing.wall_clock(lambda i: compiled(*args(i)), jax.block_until_ready)
     gpu = {}
-    with clocks.sampling(gpu, "gpu"):
+    with clocks.sampling(gpu, "gpu") as mark:
       seconds, how = timing.repeat(run_once, n_sets=job["sets"], warmup=job["warmup"],
                                    warmup_s=job["warmup_s"], reps=job["reps"],
                                    min_reps=job["min_reps"], budget_s=job["budget_s"],
-                                   prior_s=first_s)
+                                   prior_s=first_s, on_timed=mark)
     # Before the back-to-back calls, which hold two calls' buffers at once.
     peak = _peak_bytes()
     yield stage(mode, "back-to-back timing")

@@ -69,9 +69,9 @@ def tflops(flops: int, ms: float) -> float:
 
 def joules_a_call(gpu: dict | None, how: dict | None) -> float | None:
   """The GPU's joules a call over one sampled timing: the energy that clocks.sampling read over
-  the block (energy_j) over the calls the timing made in it (timing's calls), or None where
-  either is missing (no NVML; records before 2026-12-04)."""
-  energy, calls = (gpu or {}).get("energy_j"), (how or {}).get("calls")
+  the timed calls (energy_j, from timing's on_timed) over their count (timing's timed_calls), or
+  None where either is missing (no NVML; records before 2026-12-04)."""
+  energy, calls = (gpu or {}).get("energy_j"), (how or {}).get("timed_calls")
   return energy / calls if energy is not None and calls else None
 
 
@@ -253,8 +253,8 @@ def _header(records: list[dict]) -> list[str]:
                  "sync's latency between two calls; b2b MHz: the median SM clock")
     lines.append("  meanwhile (nvidia-smi every 0.1 s; a GPU at its power limit clocks lower); "
                  "b2b J: the GPU's joules a call")
-    lines.append("  meanwhile (NVML's energy counter over the warm-up and timed calls; at the "
-                 "power limit a call's time follows it)")
+    lines.append("  meanwhile (NVML's energy counter over the timed calls; at the power limit "
+                 "a call's time follows it)")
   lines.append("vs peer = the best peer's median / this median; compile s = jit lower+compile "
                "(JAX), first call (eager PyTorch)")
   return lines

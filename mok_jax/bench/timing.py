@@ -44,13 +44,15 @@ def plan_reps(seconds_per_call: float, reps: int, min_reps: int, budget_s: float
 
 def repeat(run_once: Callable[[int], float], *, n_sets: int, warmup: int, reps: int,
            min_reps: int, budget_s: float, warmup_s: float = 0.0,
-           prior_s: float | None = None) -> tuple[list[float], dict]:
+           prior_s: float | None = None,
+           on_timed: Callable[[], None] | None = None) -> tuple[list[float], dict]:
   """Warm-up calls of run_once(i) (which runs input set i, synchronises, and returns its
   seconds), then a planned number of timed ones. prior_s: seconds of the first call, which the
   caller made (for checksums); it may include one-time work (kernel loading, cuBLAS handles),
   so it neither counts as warm-up time nor sets the number of timed calls, unless no warm-up
-  is asked for. Returns (timed seconds, how they were taken; warmup_calls includes the first,
-  calls counts the calls made here, warm-up and timed, without it)."""
+  is asked for. on_timed() runs once between the warm-up and the timed calls (clocks.sampling's
+  mark). Returns (timed seconds, how they were taken; warmup_calls includes the first, and
+  timed_calls counts the calls after on_timed)."""
   own, elapsed, last = 0, 0.0, prior_s
   start = time.perf_counter()
   while not ((own >= warmup and elapsed >= warmup_s)
@@ -59,9 +61,11 @@ def repeat(run_once: Callable[[int], float], *, n_sets: int, warmup: int, reps: 
     own += 1
     elapsed = time.perf_counter() - start
   n = plan_reps(last, reps, min_reps, budget_s) if last is not None else reps
+  if on_timed is not None:
+    on_timed()
   seconds = [run_once((own + i) % n_sets) for i in range(n)]
   return seconds, {"warmup_calls": own + (prior_s is not None), "warmup_s": round(elapsed, 4),
-                   "reps_asked": reps, "calls_per_sample": 1, "calls": own + n}
+                   "reps_asked": reps, "calls_per_sample": 1, "timed_calls": n}
 
 
 def wall_clock(call: Callable[[int], object], sync: Callable[[object], None]):
@@ -80,12 +84,14 @@ def wall_clock(call: Callable[[int], object], sync: Callable[[object], None]):
 
 def batched(call: Callable[[int], object], sync: Callable[[object], None], *, n_sets: int,
             warmup_s: float, reps: int, min_reps: int, budget_s: float,
-            sample_s: float = SAMPLE_S, max_in_flight: int = 0) -> tuple[list[float], dict]:
+            sample_s: float = SAMPLE_S, max_in_flight: int = 0,
+            on_timed: Callable[[], None] | None = None) -> tuple[list[float], dict]:
   """Seconds per call of back-to-back calls: call(i) only enqueues work on input set i;
   sync(out) waits for it (and, the device running its queue in order, for every call before).
   Warm-up runs batches of calls until warmup_s seconds have passed (one call at least); then
   each timed sample is one batch of about sample_s seconds, synchronised once at its end, and,
-  with max_in_flight > 0, on each call max_in_flight calls back before the next is dispatched."""
+  with max_in_flight > 0, on each call max_in_flight calls back before the next is dispatched.
+  on_timed() runs once between the warm-up and the timed samples, as in repeat()."""
 
   def run_batch(first: int, size: int) -> float:
     start = time.perf_counter()
@@ -108,13 +114,15 @@ def batched(call: Callable[[int], object], sync: Callable[[object], None], *, n_
   warm_s = time.perf_counter() - start
   size = min(MAX_BATCH, max(1, round(sample_s / max(per_call, 1e-9))))
   n = plan_reps(per_call * size, reps, min_reps, budget_s)
+  if on_timed is not None:
+    on_timed()
   seconds = []
   for _ in range(n):
     seconds.append(run_batch(calls, size))
     calls += size
   return seconds, {"warmup_calls": calls - n * size, "warmup_s": round(warm_s, 4),
                    "reps_asked": reps, "calls_per_sample": size, "sample_s": sample_s,
-                   "calls": calls}
+                   "timed_calls": n * size}
 
 
 def summarize(seconds: list[float]) -> dict:

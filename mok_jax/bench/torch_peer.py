@@ -199,11 +199,11 @@ def _time_mode(torch, job, params, sets, mode):
     del first
     yield stage(mode, f"warm-up and timing (first call {first_s * 1e3:.1f} ms)")
     gpu = {}
-    with clocks.sampling(gpu, "gpu"):
+    with clocks.sampling(gpu, "gpu") as mark:
       seconds, how = timing.repeat(run_once, n_sets=job["sets"], warmup=job["warmup"],
                                    warmup_s=job.get("warmup_s", 0.0), reps=job["reps"],
                                    min_reps=job["min_reps"], budget_s=job["budget_s"],
-                                   prior_s=first_s)
+                                   prior_s=first_s, on_timed=mark)
     peak = int(torch.cuda.max_memory_allocated())
     yield stage(mode, "back-to-back timing")
     b2b = back_to_back(call_and_event, lambda out: out[1].synchronize(), job)

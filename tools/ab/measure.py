@@ -135,11 +135,14 @@ def digest(a) -> str:
 
 
 def joules(gpu, how):
-  """", X.XXX J a call" over a timing that clocks.sampling watched (report.joules_a_call), or
-  "" where the GPU's energy was not counted. Under the power cap a call's time follows its
-  energy: A/Bs compare builds by both (docs/performance.md, Runs and machines)."""
+  """", X.XXX J a call (W W)" over the timed calls of a timing that clocks.sampling watched
+  (report.joules_a_call; the draw: the joules over the timed seconds), or "" where the GPU's
+  energy was not counted. Under the power cap a call's time follows its energy: A/Bs compare
+  builds by both (docs/performance.md, Runs and machines)."""
   j = report.joules_a_call(gpu, how)
-  return f", {j:.3f} J a call" if j is not None else ""
+  if j is None:
+    return ""
+  return f", {j:.3f} J a call ({gpu['energy_j'] / gpu['block_s']:.0f} W)"
 
 
 def short(kernel):
@@ -223,18 +226,19 @@ def main(argv):
     b2b_ms = {}
     for mode, f in timed:
       gpu = {}
-      with clocks.sampling(gpu, "wall"):
+      # Two seconds of timed calls or more: the energy counter moves every 100 ms.
+      with clocks.sampling(gpu, "wall") as mark:
         seconds, info = timing.repeat(
             timing.wall_clock(lambda i, f=f: f(*args), jax.block_until_ready), n_sets=1,
-            warmup=3, warmup_s=1.0, reps=30, min_reps=30, budget_s=60.0)
+            warmup=3, warmup_s=1.0, reps=1000, min_reps=30, budget_s=2.0, on_timed=mark)
       median = timing.summarize(seconds)["median"]
       print(f"{name} {shape_name} wall {mode} {median:.3f} ms{joules(gpu.get('wall'), info)}",
             flush=True)
       # Back to back the GPU reaches its power limit: the SM clock meanwhile, to compare at.
-      with clocks.sampling(gpu, "b2b"):
+      with clocks.sampling(gpu, "b2b") as mark:
         seconds, info = timing.batched(lambda i, f=f: f(*args), jax.block_until_ready, n_sets=1,
                                        warmup_s=0.5, reps=10, min_reps=5, budget_s=10.0,
-                                       max_in_flight=2)
+                                       sample_s=0.2, max_in_flight=2, on_timed=mark)
       median = b2b_ms[mode] = timing.summarize(seconds)["median"]
       clock = (f" at {gpu['b2b']['sm_mhz']:.0f} MHz, {gpu['b2b']['power_w']:.0f} W"
                if "b2b" in gpu else "")

@@ -56,7 +56,7 @@ def main(argv):
              f"{row['power_w']:.0f} W" if row else "")
     print(f"{shape} {mode} pause {pause:g} ms: {ms['median']:.3f} ms a call "
           f"(p25-p75 {ms['p25']:.3f}-{ms['p75']:.3f}){clock}"
-          f"{joules(row, {'calls': len(seconds)})}", flush=True)
+          f"{joules(row, {'timed_calls': len(seconds)})}", flush=True)
 
 
 if __name__ == "__main__":
