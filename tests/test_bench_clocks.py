@@ -4,6 +4,7 @@ report prints of it)."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import stat
 import sys
@@ -14,15 +15,18 @@ import pytest
 
 from mok_jax.bench import clocks, jobs
 
-# Prints its arguments to $FAKE_SMI_ARGS, then a sample every 10 ms until terminated.
+# Prints its arguments to $FAKE_SMI_ARGS, then a sample every 10 ms until terminated, stamped
+# as nvidia-smi stamps them; its draw is 120 W until $FAKE_SMI_BUSY exists, then 690-691.5 W.
 FAKE_SMI = textwrap.dedent(f"""\
     #!{sys.executable}
-    import os, sys, time
+    import datetime, os, sys, time
     with open(os.environ["FAKE_SMI_ARGS"], "w") as f:
       f.write(" ".join(sys.argv[1:]))
     for i in range(100000):
-      print("[N/A], [N/A]" if i == 0 else f"{{1400 + 10 * (i % 3)}}, {{690 + i % 2}}.5",
-            flush=True)
+      now = datetime.datetime.now().strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
+      busy = os.path.exists(os.environ["FAKE_SMI_BUSY"])
+      print(f"{{now}}, [N/A], [N/A]" if i == 0 else
+            f"{{now}}, {{1400 + 10 * (i % 3)}}, {{690 + i % 2 if busy else 120}}.5", flush=True)
       time.sleep(0.01)
     """)
 
@@ -34,15 +38,24 @@ def fake_smi(tmp_path, monkeypatch):
   exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
   monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
   monkeypatch.setenv("FAKE_SMI_ARGS", str(tmp_path / "args"))
+  (tmp_path / "busy").touch()
+  monkeypatch.setenv("FAKE_SMI_BUSY", str(tmp_path / "busy"))
   monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
   return tmp_path / "args"
 
 
 def test_parse_takes_medians_and_skips_what_is_not_a_sample():
-  got = clocks.parse("1980, 121.0\n[N/A], [N/A]\n1500, 700.5\n1290, 690.0\n\n")
-  assert got == {"sm_mhz": 1500.0, "sm_mhz_min": 1290.0, "sm_mhz_max": 1980.0,
-                 "power_w": 690.0, "power_w_max": 700.5, "samples": 3}
+  text = ("2026/12/04 18:40:01.100, 1980, 121.0\n2026/12/04 18:40:01.200, [N/A], [N/A]\n"
+          "2026/12/04 18:40:01.300, 1500, 700.5\n1290, 690.0\n"
+          "2026/12/04 18:40:01.500, 1290, 690.0\n\n")
+  assert clocks.parse(text) == {"sm_mhz": 1500.0, "sm_mhz_min": 1290.0, "sm_mhz_max": 1980.0,
+                                "power_w": 690.0, "power_w_max": 700.5, "samples": 3}
   assert clocks.parse("") is None and clocks.parse("No devices were found\n") is None
+  # From `since` on (time.time(); the stamps are local time).
+  since = datetime.datetime(2026, 12, 4, 18, 40, 1, 250000).timestamp()
+  assert clocks.parse(text, since=since)["samples"] == 2
+  assert clocks.parse(text, since=since + 1.0) is None
+  assert clocks.parse(text, since=since, until=since + 0.1)["samples"] == 1
 
 
 @pytest.mark.parametrize("visible,index", [(None, "0"), ("", "0"), ("2", "2"), ("3, 1", "3"),
@@ -60,7 +73,7 @@ def test_back_to_back_records_the_clock_it_ran_at(fake_smi):
   assert gpu["samples"] >= 2 and gpu["sm_mhz_min"] >= 1400 and gpu["sm_mhz_max"] <= 1420
   assert 690 <= gpu["power_w"] <= 691.5
   args = fake_smi.read_text().split()
-  assert args[:2] == ["-i", "3"] and "--query-gpu=clocks.sm,power.draw" in args
+  assert args[:2] == ["-i", "3"] and "--query-gpu=timestamp,clocks.sm,power.draw" in args
 
 
 def test_without_nvidia_smi_the_timing_stands_alone(tmp_path, monkeypatch):
@@ -121,14 +134,24 @@ def test_sampling_records_the_joules_from_its_mark(fake_smi, tmp_path, monkeypat
   poller = tmp_path / "poller.py"
   poller.write_text(FAKE_POLLER)
   monkeypatch.setattr(clocks, "poller_args", lambda visible: [sys.executable, str(poller)])
+  busy = tmp_path / "busy"
+  busy.unlink()  # the warm-up draws 120 W (the stand-in nvidia-smi's), the timed calls 690
   out = {}
   with clocks.sampling(out, "gpu") as mark:
     time.sleep(0.3)  # the warm-up: not counted
+    busy.touch()
+    time.sleep(0.05)  # a sample the stand-in may have taken before it saw the file
     mark()
     time.sleep(0.4)
   gpu = out["gpu"]
-  assert gpu["samples"] >= 1 and 0.4 <= gpu["block_s"] < 0.6
-  assert gpu["energy_j"] == pytest.approx(100 * gpu["block_s"], rel=0.25)
+  assert gpu["samples"] >= 10 and 0.4 <= gpu["block_s"] < 0.6 and "whole_block" not in gpu
+  assert gpu["power_w"] >= 690 and gpu["energy_j"] == pytest.approx(100 * gpu["block_s"], rel=0.25)
+  # Timed calls shorter than the sampling period: the whole block's samples, so marked.
+  out = {}
+  with clocks.sampling(out, "gpu") as mark:
+    time.sleep(0.2)
+    mark()
+  assert out["gpu"]["whole_block"] and out["gpu"]["samples"] >= 2
   # No poller output (no NVML): no joules, the rest stands.
   monkeypatch.setattr(clocks, "poller_args", lambda visible: [sys.executable, "-c", "pass"])
   out = {}

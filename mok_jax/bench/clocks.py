@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import datetime
 import os
 import shutil
 import statistics
@@ -18,7 +19,8 @@ import sys
 import time
 
 PERIOD_MS = 100
-QUERY = "clocks.sm,power.draw"
+QUERY = "timestamp,clocks.sm,power.draw"
+TIMESTAMP = "%Y/%m/%d %H:%M:%S.%f"  # nvidia-smi's, in local time
 
 
 def gpu_index(visible: str | None = None) -> str:
@@ -29,17 +31,21 @@ def gpu_index(visible: str | None = None) -> str:
   return first or "0"
 
 
-def parse(text: str) -> dict | None:
-  """nvidia-smi's `--format=csv,noheader,nounits` lines of QUERY -> medians and ranges, or None
-  without a sample (lines that are not two numbers, such as "[N/A]", are left out)."""
+def parse(text: str, since: float | None = None, until: float | None = None) -> dict | None:
+  """nvidia-smi's `--format=csv,noheader,nounits` lines of QUERY -> medians and ranges of the
+  samples taken from `since` to `until` (time.time(); either open), or None without such a
+  sample (lines that are not a timestamp and two numbers, such as "[N/A]", are left out)."""
   mhz, watts = [], []
   for line in text.splitlines():
     fields = [f.strip() for f in line.split(",")]
-    if len(fields) != 2:
+    if len(fields) != 3:
       continue
     try:
-      m, w = float(fields[0]), float(fields[1])
+      at = datetime.datetime.strptime(fields[0], TIMESTAMP).timestamp()
+      m, w = float(fields[1]), float(fields[2])
     except ValueError:
+      continue
+    if (since is not None and at < since) or (until is not None and at > until):
       continue
     mhz.append(m)
     watts.append(w)
@@ -117,12 +123,14 @@ def _finish(proc) -> str:
 
 @contextlib.contextmanager
 def sampling(out: dict, key: str):
-  """Samples the job's GPU every PERIOD_MS while the block runs; then out[key] = parse(...),
-  with the GPU's joules (`energy_j`, energy_between) over `block_s` seconds where NVML counts
-  them: from the block's start, or from the last call of the `mark` it yields (timing's
-  on_timed, so that the joules are the timed calls' and not the warm-up's, whose first
-  back-to-back calls may wait on allocations), to its end. Without nvidia-smi (a CPU machine) or
-  without a sample, out is left as it is: the timing never depends on the sampler."""
+  """Samples the job's GPU every PERIOD_MS while the block runs; then out[key] = parse(...) of
+  the samples from the block's start, or from the last call of the `mark` it yields (timing's
+  on_timed, so that clock, draw and joules are the timed calls' and not the warm-up's, whose
+  first back-to-back calls may wait seconds on allocations at a low draw), to its end; of the
+  whole block if none came after the mark (timed calls shorter than a sample), with
+  `whole_block`. With it the GPU's joules (`energy_j`, energy_between) over `block_s` seconds
+  from the mark where NVML counts them. Without nvidia-smi (a CPU machine) or without a sample,
+  out is left as it is: the timing never depends on the sampler."""
   exe = shutil.which("nvidia-smi")
   if exe is None:
     yield _no_mark
@@ -133,21 +141,27 @@ def sampling(out: dict, key: str):
     yield _no_mark
     return
   poller = _start(poller_args(gpu_index()))
-  start = [time.monotonic()]
+  start = {}
 
   def mark():
-    start[0] = time.monotonic()
+    start.update(at=time.monotonic(), wall=time.time())
 
+  mark()
   try:
     yield mark
   finally:
-    end = time.monotonic()
-    energy = energy_between(parse_steps(_finish(poller)), start[0], end)
-    found = parse(_finish(smi))
+    end, end_wall = time.monotonic(), time.time()
+    energy = energy_between(parse_steps(_finish(poller)), start["at"], end)
+    text = _finish(smi)
+    found = parse(text, since=start["wall"], until=end_wall)
+    if found is None:
+      found = parse(text)
+      if found:
+        found["whole_block"] = True
     if found:
       if energy is not None:
         found["energy_j"] = round(energy, 3)
-        found["block_s"] = round(end - start[0], 4)
+        found["block_s"] = round(end - start["at"], 4)
       out[key] = found
 
 
