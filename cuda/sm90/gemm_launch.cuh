@@ -287,11 +287,18 @@ const char* ChainTiles(const ChainParams& c, int64_t* tiles) {
   return nullptr;
 }
 
-// The CTAs of a weight-gradient launch: one an SM. MOK_WGRAD_CTAS=n runs it on n (a
-// diagnostic: whether a launch that waits on its stores and its loads from L2 beside them gives
-// the same time on fewer SMs for less energy, which the power cap turns into time).
-inline int WeightGradCtas(int sms) {
-  static const int forced = EnvOverride("MOK_WGRAD_CTAS", 1, 1 << 20);
+// The CTAs of a launch: one an SM. MOK_GEMM_CTAS=n runs the row-grouped launches (the forward
+// MLPs, the SwiGLU backward, dx_r) on n, MOK_WGRAD_CTAS=n the weight gradients' (diagnostics:
+// whether a launch bound by HBM or by its stores gives the same time on fewer SMs for less
+// energy, which the power cap turns into time).
+//
+// NOTES: dsv3 forward+backward, main f6ae8ec, one H200, 2026-12-04 18:20 UTC (tools/ab, same
+// bits): the weight-gradient launch 7.75 ms on 132 CTAs, 8.56 on 116, 9.33 on 100, near
+// 132 / n times as long: what bounds it is in each SM, not shared (docs/performance.md).
+template <Schedule kSched>
+int LaunchCtas(int sms) {
+  static const int forced = EnvOverride(
+      kSched == Schedule::kGroupedK ? "MOK_WGRAD_CTAS" : "MOK_GEMM_CTAS", 1, 1 << 20);
   return forced > 0 ? std::min(forced, sms) : sms;
 }
 
@@ -303,7 +310,7 @@ const char* LaunchQueued(const ChainParams& c, cudaStream_t stream) {
   if (tiles == 0) return nullptr;
   int sms = 0;
   if (auto err = SmCount(&sms)) return err;
-  if constexpr (Kind0::kSched == Schedule::kGroupedK) sms = WeightGradCtas(sms);
+  sms = LaunchCtas<Kind0::kSched>(sms);
   // A unit of two tiles holds at least one: `tiles` bounds the units too. Only row-grouped
   // GEMMs run in clusters (a weight-gradient chain launched alone would not compile else).
   if constexpr (Kind0::kSched == Schedule::kRowsByGroup) {
