@@ -109,6 +109,12 @@ def test_energy_between_takes_the_steps_inside_and_the_draw_at_each_end():
     steps.append((1.0 + 0.1 * i, steps[-1][1] + 100 * w))
   got = clocks.energy_between(steps, 2.0, 2.55)
   assert got == pytest.approx(600 * 0.55)
+  # A poller 50 ms late to see the first step inside (2.1 s, seen at 2.15, close to the next):
+  # the ends at the draw between the first and last steps stay within 7% (at the first step's
+  # draw, 70 J over the 50 ms to the next, they would be off by 2.7 times).
+  steps = [(1.0 + 0.1 * i, 70_000 * i) for i in range(30)]
+  steps[11] = (2.15, steps[11][1])
+  assert clocks.energy_between(steps, 2.05, 2.95) == pytest.approx(700 * 0.9, rel=0.07)
   # Fewer than three steps inside: no figure.
   assert clocks.energy_between(steps, 2.01, 2.15) is None
   assert clocks.energy_between([], 0.0, 10.0) is None

@@ -70,17 +70,16 @@ def energy_between(steps: list[tuple[float, int]], t0: float, t1: float) -> floa
   """Joules the GPU used from time t0 to t1 (time.monotonic), from the energy counter's steps
   [(time the poller saw it move, mJ)]: NVML's counter moves every 100 ms on an H200 (by the
   draw of the 100 ms before; tools/ab/energy_ticks.py, 2026-12-04), so the joules between the
-  first and the last step inside [t0, t1] are exact, and the part of the block before the first
-  (after the last) is taken at the draw of the first (last) whole step inside it, all of it
-  busy in a timed block. None with fewer than three steps inside (a block shorter than about
-  0.3 s): no figure rather than one off by a step."""
+  first and the last step inside [t0, t1] are exact, and the parts of the block before the
+  first and after the last are taken at the draw between those two steps (a timed block is
+  busy throughout; the draw of a single step would be wrong by as much as the poller was late
+  to see either of its ends). None with fewer than three steps inside (a block shorter than
+  about 0.3 s): no figure rather than one off by a step."""
   inside = [(t, mj) for t, mj in steps if t0 <= t <= t1]
   if len(inside) < 3:
     return None
-  (ta, ea), (tb, eb) = inside[0], inside[1]
-  (tx, ex), (ty, ey) = inside[-2], inside[-1]
-  first_w, last_w = (eb - ea) / (tb - ta), (ey - ex) / (ty - tx)  # mJ a second
-  return ((ey - ea) + first_w * (ta - t0) + last_w * (t1 - ty)) / 1e3
+  (ta, ea), (ty, ey) = inside[0], inside[-1]
+  return (ey - ea) / 1e3 * (t1 - t0) / (ty - ta)
 
 
 def parse_steps(text: str) -> list[tuple[float, int]]:
