@@ -124,8 +124,8 @@ def _finish(proc) -> str:
 def sampling(out: dict, key: str):
   """Samples the job's GPU every PERIOD_MS while the block runs; then out[key] = parse(...) of
   the samples from the block's start, or from the last call of the `mark` it yields (timing's
-  on_timed, so that clock, draw and joules are the timed calls' and not the warm-up's, whose
-  first back-to-back calls may wait seconds on allocations at a low draw), to its end; of the
+  on_timed, so that clock, draw and joules are the timed calls' and not the warm-up's, in which
+  dsv3's first back-to-back calls left the GPU near idle for seconds), to its end; of the
   whole block if none came after the mark (timed calls shorter than a sample), with
   `whole_block`. With it the GPU's joules (`energy_j`, energy_between) over `block_s` seconds
   from the mark where NVML counts them. Without nvidia-smi (a CPU machine) or without a sample,

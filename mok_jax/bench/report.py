@@ -252,7 +252,7 @@ def _header(records: list[dict]) -> list[str]:
     lines.append(f"  {' or '.join(map(str, sample_ms))} ms of calls, one sync each), without a "
                  "sync's latency between two calls; b2b MHz: the median SM clock")
     lines.append("  of the timed calls (nvidia-smi every 0.1 s; a GPU at its power limit clocks "
-                 "lower; records before 2026-12-04 19:00 UTC:")
+                 "lower; records before 2026-12-04 18:35 UTC:")
     lines.append("  warm-up included); b2b J: the GPU's joules a call over them (NVML's energy "
                  "counter; at the power limit a call's")
     lines.append("  time follows it)")
