@@ -21,11 +21,16 @@
 # NOTES: an editable install of mok_jax (pip install -e) puts an import finder in front of
 # PYTHONPATH: with one present, every name measured that one build (2026-11-30). It is
 # uninstalled first; do not make one in the same call.
+# JAX's default memory settings, as the bench has them: until 2026-12-04 19:00 UTC this set
+# XLA_PYTHON_CLIENT_PREALLOCATE=false, under which dsv3's back-to-back forward+backward read
+# 17.3 J a call at 773 W by NVML's energy counter and 370 W by nvidia-smi, where with
+# preallocation the two agreed (15.9 J, 693 and 695 W; measure.py, one H200, 2026-12-04 18:57
+# UTC): likely the allocator at work inside the timed calls (not looked at further).
 set -uo pipefail
 shapes=${1:?shapes}
 rounds=${ROUNDS:-2}
 python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD/.whl/stub XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD/.whl/stub PYTHONUNBUFFERED=1
 python3 -m pip uninstall -y -q mok_jax > /dev/null 2>&1
 names=$(ls runs/ab)
 logs=/tmp/ab_logs
