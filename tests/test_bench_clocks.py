@@ -120,6 +120,14 @@ def test_energy_between_takes_the_steps_inside_and_the_draw_at_each_end():
   assert clocks.energy_between([], 0.0, 10.0) is None
 
 
+def test_energy_changes_yields_the_first_reading_and_each_change_until_a_read_fails(monkeypatch):
+  monkeypatch.setattr(clocks.time, "sleep", lambda s: None)
+  readings = iter([5, 5, 7, 7, 7, 9, None, 11])
+  got = list(clocks.energy_changes(lambda: next(readings)))
+  assert [mj for _, mj in got] == [5, 7, 9]
+  assert all(a <= b for (a, _), (b, _) in zip(got, got[1:]))
+
+
 def test_parse_steps_drops_the_first_reading_and_what_is_not_a_step():
   assert clocks.parse_steps("1.0 5\nTraceback\n\n1.1 7\n1.2 9 extra\n") == [(1.1, 7), (1.2, 9)]
   assert clocks.parse_steps("") == []

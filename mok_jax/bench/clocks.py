@@ -199,19 +199,26 @@ def energy_reader(visible: str | None = None):
   return read, nvml.nvmlShutdown
 
 
+def energy_changes(read):
+  """(time.monotonic(), mJ) of the first reading of `read` (energy_reader's) and of every change
+  after it, read every POLL_MS, until a reading fails."""
+  last = None
+  while (mj := read()) is not None:
+    if mj != last:
+      yield time.monotonic(), mj
+      last = mj
+    time.sleep(POLL_MS / 1e3)
+
+
 def poll_energy(visible: str) -> None:
   """The energy poller (see POLL_MS): runs until terminated or the counter fails."""
   reader = energy_reader(visible)
   if reader is None:
     return
   read, close = reader
-  last = None
   try:
-    while (mj := read()) is not None:
-      if mj != last:
-        print(f"{time.monotonic():.6f} {mj}", flush=True)
-        last = mj
-      time.sleep(POLL_MS / 1e3)
+    for at, mj in energy_changes(read):
+      print(f"{at:.6f} {mj}", flush=True)
   finally:
     close()
 

@@ -1,5 +1,5 @@
 """How often NVML's energy counter (clocks.energy_reader's nvmlDeviceGetTotalEnergyConsumption)
-moves, idle and under load: the counter polled every POLL_MS on one open handle for SECONDS, the
+moves, idle and under load: the counter polled as the bench's poller polls it (clocks.energy_changes) for SECONDS, the
 times and sizes of its steps printed, with the power each step implies; then the joules a call
 that clocks.sampling finds over the blocks measure.py times, on a plain matmul, against the
 draw nvidia-smi samples meanwhile. Read by path from this tree, so no built mok_jax is needed.
@@ -15,7 +15,6 @@ import time
 import jax
 import jax.numpy as jnp
 
-POLL_MS = 0.5
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 
 
@@ -28,11 +27,10 @@ def bench_module(name):
   return module
 
 
-def blocks(f, a):
+def blocks(clocks, timing, f, a):
   """Joules a call over the blocks that measure.py times (clocks.sampling around one synchronised
   call at a time, then around back-to-back calls), with the block's host seconds and the power
   they imply, against nvidia-smi's median draw meanwhile."""
-  clocks, timing = bench_module("clocks"), bench_module("timing")
   for label in ("wall", "b2b", "wall", "b2b"):
     gpu = {}
     with clocks.sampling(gpu, label) as mark:
@@ -53,16 +51,15 @@ def blocks(f, a):
             flush=True)
 
 
-def poll(read, seconds):
-  """[(host seconds, mJ)] at each change of the counter over `seconds`."""
-  steps, last = [], None
-  end = time.perf_counter() + seconds
-  while time.perf_counter() < end:
-    mj = read()
-    if mj != last:
-      steps.append((time.perf_counter(), mj))
-      last = mj
-    time.sleep(POLL_MS / 1e3)
+def poll(clocks, read, seconds):
+  """[(host seconds, mJ)] at the first reading and each change of the counter over `seconds`
+  (clocks.energy_changes, as the bench's poller reads it)."""
+  steps = []
+  end = time.monotonic() + seconds
+  for at, mj in clocks.energy_changes(read):
+    if at >= end:
+      break
+    steps.append((at, mj))
   return steps
 
 
@@ -83,8 +80,9 @@ def describe(label, steps):
 
 def main(argv):
   seconds = float(argv[0]) if argv else 2.0
-  read, close = bench_module("clocks").energy_reader()
-  describe("idle", poll(read, seconds))
+  clocks, timing = bench_module("clocks"), bench_module("timing")
+  read, close = clocks.energy_reader()
+  describe("idle", poll(clocks, read, seconds))
   a = jnp.ones((8192, 8192), jnp.bfloat16)
   f = jax.jit(lambda a: (a @ a).astype(jnp.bfloat16) * 0.0001)
   jax.block_until_ready(f(a))
@@ -100,15 +98,14 @@ def main(argv):
   worker = threading.Thread(target=load)
   worker.start()
   time.sleep(1.0)
-  describe("load", poll(read, seconds))
+  describe("load", poll(clocks, read, seconds))
   stop.set()
   worker.join()
-  describe("after load", poll(read, seconds))
+  describe("after load", poll(clocks, read, seconds))
   close()
-  big = jnp.ones((16384, 16384), jnp.bfloat16)
-  g = jax.jit(lambda a: (a @ a).astype(jnp.bfloat16) * 0.0001)  # about 12 ms a call
-  jax.block_until_ready(g(big))
-  blocks(g, big)
+  big = jnp.ones((16384, 16384), jnp.bfloat16)  # about 11 ms a call
+  jax.block_until_ready(f(big))
+  blocks(clocks, timing, f, big)
 
 
 if __name__ == "__main__":
