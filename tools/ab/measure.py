@@ -11,7 +11,9 @@ down at the power limit and whether the GPU idles between calls.
 Usage: python tools/ab/measure.py NAME SHAPES [MODES] (bench shapes, or tiny; the modes timed,
 fwd,fwd+bwd by default: one of them takes half the time); MOK_AB_BACKEND (default cuda) picks
 the backend, e.g. xla for a smoke run on a CPU; MOK_AB_SKEW (default 0, uniform) the Zipf
-exponent of the routing, as the bench's --skew. MOK_AB_RANKS=P measures instead the call of one
+exponent of the routing, as the bench's --skew; MOK_AB_DATA=pow2 clears the mantissas of x, dy and the expert weights
+(each value a signed power of two), to see what the operands' values cost at the power limit.
+MOK_AB_RANKS=P measures instead the call of one
 rank of P expert-parallel ranks on the shape's tokens: all of them, the first E / P experts, the
 ids of the others invalid, as mok_jax.moe under shard_map gives each rank; the call is told
 ranks = MOK_AB_RANKS_HINT (default P), the hint for the kernel's launch choices (ffi backends
@@ -158,6 +160,16 @@ def short(kernel):
   return kernel.split("(")[0].split("<")[0].replace("void ", "").replace("mok::sm90::", "")
 
 
+@jax.jit
+def pow2(a):
+  """a's values with their mantissas cleared: sign and exponent kept (each value rounded down
+  in magnitude to a power of two, zeros kept), so that the products' bits toggle less for the
+  same routing, magnitudes and bytes (MOK_AB_DATA=pow2: how much of a call's time at the
+  power limit is its operands' values)."""
+  bits = jax.lax.bitcast_convert_type(a, jnp.uint16)
+  return jax.lax.bitcast_convert_type(bits & jnp.uint16(0xFF80), a.dtype)
+
+
 def layer_calls(shape_name, backend):
   """(jitted forward, jitted forward+backward (y and the gradients), their arguments) of the
   bench shape `shape_name` (or tiny) on the bench's inputs (seed 0; uniform routing, or the
@@ -166,6 +178,8 @@ def layer_calls(shape_name, backend):
   (wg, wu, wd, _), sets = bench_inputs.jax_inputs(
       shape, jnp.bfloat16, seed=0, skew=float(os.environ.get("MOK_AB_SKEW", "0")), n_sets=1)
   x, experts, weights, dy = sets[0]
+  if os.environ.get("MOK_AB_DATA", "normal") == "pow2":
+    x, dy, wg, wu, wd = (pow2(a) for a in (x, dy, wg, wu, wd))
   ranks = int(os.environ.get("MOK_AB_RANKS", "1"))
   if ranks > 1:
     return rank_calls(ranks, int(os.environ.get("MOK_AB_RANKS_HINT", ranks)), x, experts,
