@@ -112,6 +112,28 @@ def test_digest_follows_every_bit_and_position():
     assert len(changed) == 5, dtype
 
 
+def test_pow2_keeps_sign_and_exponent_only():
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  pow2 = _tool("measure").pow2
+  for dtype in (jnp.bfloat16, jnp.float32):
+    a = jnp.asarray([1.7, -3.2, 0.0, -0.0, 5e-3, 0.75, -1.0, 96.0], dtype)
+    got = np.asarray(pow2(a), np.float32)
+    np.testing.assert_array_equal(got, [1.0, -2.0, 0.0, 0.0, 2.0**-8, 0.5, -1.0, 64.0])
+    assert np.signbit(got[3]), dtype
+    assert pow2(a).dtype == dtype
+
+
+def test_measure_with_pow2_inputs_changes_the_bits():
+  env = dict(os.environ, MOK_AB_BACKEND="xla", JAX_PLATFORMS="cpu", MOK_AB_DATA="pow2")
+  out = subprocess.run([sys.executable, str(SCRIPT), "cpu", "tiny", "fwd"], env=env, check=True,
+                       capture_output=True, text=True, timeout=300).stdout
+  pow2_bits = [line.split()[3:] for line in out.splitlines() if line.split()[2] == "bits"]
+  plain_bits = [f[3:] for f in _run("fwd") if f[2] == "bits"]
+  assert len(pow2_bits) == len(plain_bits) == 1
+  assert all(a != b for a, b in zip(pow2_bits[0], plain_bits[0]))
+
+
 def test_sync_latency_finds_its_calls():
   env = dict(os.environ, MOK_AB_BACKEND="xla", JAX_PLATFORMS="cpu")
   out = subprocess.run([sys.executable, str(SCRIPT.parent / "sync_latency.py"), "tiny"],

@@ -166,8 +166,10 @@ def pow2(a):
   in magnitude to a power of two, zeros kept), so that the products' bits toggle less for the
   same routing, magnitudes and bytes (MOK_AB_DATA=pow2: how much of a call's time at the
   power limit is its operands' values)."""
-  bits = jax.lax.bitcast_convert_type(a, jnp.uint16)
-  return jax.lax.bitcast_convert_type(bits & jnp.uint16(0xFF80), a.dtype)
+  width, keep = {jnp.dtype(jnp.bfloat16): (jnp.uint16, 0xFF80),
+                 jnp.dtype(jnp.float32): (jnp.uint32, 0xFF800000)}[a.dtype]
+  bits = jax.lax.bitcast_convert_type(a, width)
+  return jax.lax.bitcast_convert_type(bits & width(keep), a.dtype)
 
 
 def layer_calls(shape_name, backend):
