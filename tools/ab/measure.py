@@ -11,13 +11,12 @@ down at the power limit and whether the GPU idles between calls.
 Usage: python tools/ab/measure.py NAME SHAPES [MODES] (bench shapes, or tiny; the modes timed,
 fwd,fwd+bwd by default: one of them takes half the time); MOK_AB_BACKEND (default cuda) picks
 the backend, e.g. xla for a smoke run on a CPU; MOK_AB_SKEW (default 0, uniform) the Zipf
-exponent of the routing, as the bench's --skew; MOK_AB_DATA=pow2 clears the mantissas of x, dy and the expert weights
-(each value a signed power of two), to see what the operands' values cost at the power limit.
-MOK_AB_RANKS=P measures instead the call of one
-rank of P expert-parallel ranks on the shape's tokens: all of them, the first E / P experts, the
-ids of the others invalid, as mok_jax.moe under shard_map gives each rank; the call is told
-ranks = MOK_AB_RANKS_HINT (default P), the hint for the kernel's launch choices (ffi backends
-only)."""
+exponent of the routing, as the bench's --skew; MOK_AB_DATA=pow2 clears the mantissas of x, dy
+and the expert weights (each value a signed power of two), to see what the operands' values cost
+at the power limit. MOK_AB_RANKS=P measures instead the call of one rank of P expert-parallel
+ranks on the shape's tokens: all of them, the first E / P experts, the ids of the others invalid,
+as mok_jax.moe under shard_map gives each rank; the call is told ranks = MOK_AB_RANKS_HINT
+(default P), the hint for the kernel's launch choices (ffi backends only)."""
 
 import collections
 import glob
