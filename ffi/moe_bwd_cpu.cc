@@ -1,7 +1,7 @@
 // mok_moe_bwd on the CPU: every gradient from dy and the forward's residuals.
 //
 //   dy_r[p]  = dy[t]                           dh' = dy_r @ w_down^T, dh = w[t, j] dh'
-//   dweights[t, j] = <dh'[p], h[p]>            (= <dy[t], y_routed[p]>; h from gu)
+//   dweights[t, j] = <dh'[p], h[p]>            (= <dy[t], y_routed[p]>; h = silu(g) u, f32)
 //   dg, du   = SwiGLU backward(g, u, dh)       dw_down_e = (w h)_e^T @ dy_r_e
 //                                              dw_gate_e = x_e^T @ dg_e, dw_up_e = x_e^T @ du_e
 //   dx_r     = dg @ w_gate^T + du @ w_up^T     dx[t] = sum_j dx_r[pos[t, j]] + shared part
@@ -133,7 +133,7 @@ void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
         float g = Load(gu_row[i]), u = Load(gu_row[I + i]);
         float dh = 0.0f;
         for (int64_t h = 0; h < H; ++h) dh += Load(dyr_row[h]) * Load(wd_e[i * H + h]);
-        float hv = Load(Store<S>(Silu(g) * u));
+        float hv = Silu(g) * u;
         dw_parts[r * parts + i / 128] += dh * hv;
         dh *= w;
         dgu_row[i] = Store<S>(dh * u * SiluGrad(g));

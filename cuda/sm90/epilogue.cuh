@@ -186,10 +186,15 @@ __device__ __forceinline__ void StageAndStore(const GemmParams& p, const GemmTil
 // step issues all of its loads before it uses any, so that their latencies overlap.
 //
 // With row_scale (the routed MLP) the tile is each row's dh before its route's weight w (A is
-// dy gathered, unscaled): the row's share of dweights, <dh, h> over each 128 columns of h
-// (the h the forward multiplied, bf16), goes to dw_parts (its quad's four threads' sums, a
-// fixed butterfly: the same bits whatever the tile's shape), and the epilogue goes on with w dh,
-// storing w h for dw_down's A (GemmParams). Without it (the shared expert) w is 1. dgu may be
+// dy gathered, unscaled): the row's share of dweights, <dh, h> (h = silu(g) u in f32) over each
+// 128 columns, goes to dw_parts (each thread's sums a pass, its quad's by a fixed butterfly,
+// then the passes': the same bits whatever the tile's shape), and the epilogue goes on with
+// w dh, storing w h for dw_down's A (GemmParams). Without it (the shared expert) w is 1.
+//
+// NOTES: the sums cost registers where the accumulators and the g, u two passes ahead fill the
+// 168 a thread: summing each thread's values over 128 columns before the butterfly spilled
+// (72-196 bytes, some in the k-loop), and <dh, round(h)> took an unpack more a value; as here
+// 4-12 bytes spill, outside the loops. dgu may be
 // gu itself (mok_jax.ops.bwd_aliases): a thread reads each 16-byte chunk of g and u before it
 // writes dg or du there, and no other thread reads that chunk, so no load (the read-only path's
 // included) sees a chunk after its store.
@@ -327,13 +332,10 @@ __device__ __forceinline__ void SwiGLUBwdStaged(const GemmParams& p, const GemmT
       dg_bits[j] = PackBf16(dh0 * u.x * s0 * (1.0f + g.x * (1.0f - s0)),
                             dh1 * u.y * s1 * (1.0f + g.y * (1.0f - s1)));
       du_bits[j] = PackBf16(dh0 * silu0, dh1 * silu1);
-      h_bits[j] = PackBf16(silu0 * u.x, silu1 * u.y);
-      if (scaled) {
-        const float2 hv = UnpackBf16(h_bits[j]);
-        dot[j & 1] = fmaf(acc(v), hv.x, dot[j & 1]);
-        dot[j & 1] = fmaf(acc(v + 1), hv.y, dot[j & 1]);
-        h_bits[j] = PackBf16(w[j & 1] * hv.x, w[j & 1] * hv.y);
-      }
+      const float h0 = silu0 * u.x, h1 = silu1 * u.y;
+      h_bits[j] = PackBf16(w[j & 1] * h0, w[j & 1] * h1);  // w = 1: h's own bits
+      dot[j & 1] = fmaf(acc(v), h0, dot[j & 1]);
+      dot[j & 1] = fmaf(acc(v + 1), h1, dot[j & 1]);
     }
     CUTE_UNROLL
     for (int j = 0; j < 8; ++j) {  // each thread rewrites only the positions it read

@@ -48,9 +48,9 @@ enum class Epilogue {
   // round(silu(g) * u) from f32 g, u.
   kSwiGLU,
   // Backward of SwiGLU: the tile is dh / w; aux = gu (rows, 2n). out0 = dgu (rows, 2n) gets
-  // [dh * u * silu'(g) | dh * silu(g)], out1 = w h (rows, n), h = round(silu(g) * u), rounded;
-  // dw_parts the rows' <dh / w, h> by 128 columns. w is each row's route weight (row_scale), or
-  // 1 (null).
+  // [dh * u * silu'(g) | dh * silu(g)], out1 (rows, n) round(w * silu(g) * u), dw_parts the
+  // rows' <dh / w, silu(g) * u> by 128 columns. w is each row's route weight (row_scale), or 1
+  // (null).
   kSwiGLUBwd,
 };
 
