@@ -30,7 +30,7 @@ struct MoeFwdArgs {
   int32_t* offsets;       // (E + 1)
   int32_t* rows;          // (R)
   void* gu;               // (R, 2I) bf16 residual; null with Config.recompute (not written)
-  void* y_routed;         // (R, H) bf16
+  void* y_routed;         // scratch (R, H) bf16: each route's unweighted output
   void* gu_shared;        // (T, 2Is) bf16, like gu (null with recompute)
   void* xs;               // (R, H) bf16: gathered token rows, zero padding rows (a residual
                           // without recompute, else scratch)
@@ -60,7 +60,6 @@ struct MoeBwdArgs {
   const int32_t* offsets;
   const int32_t* rows;
   const void* gu;         // empty with recompute
-  const void* y_routed;
   const void* gu_shared;  // empty with recompute
   void* dx;               // (T, H) bf16
   float* dweights;        // (T, k)
@@ -74,13 +73,14 @@ struct MoeBwdArgs {
   // after, may lie over one of them (the FFI handler gives it xs's buffer).
   void* xs;               // (R, H) bf16: the residual's without recompute, else scratch to
                           // gather into
-  void* dy_routed;        // scratch (R, H) bf16
+  void* dy_routed;        // scratch (R, H) bf16: dy of each routed row, unweighted
   void* dx_routed;        // scratch (R, H) bf16
   void* dgu;              // scratch (R, 2I) bf16; may be gu (each tile reads its g, u first)
   void* h;                // scratch (R, I) bf16
   void* dgu_shared;       // scratch (T, 2Is) bf16; may be gu_shared
   void* h_shared;         // scratch (T, Is) bf16
   void* dx_shared;        // scratch (T, H) bf16, empty when Is = 0
+  float* dw_parts;        // scratch (R, ceil(I / 128)): each routed row's parts of dweights
   bool recompute;         // Config.recompute: gu and gu_shared from x, into dgu and dgu_shared
   int32_t* queue;         // scratch (TileQueueInts(T, k, E)): tile queues of the GEMM launches
 };

@@ -34,6 +34,10 @@ constexpr int64_t ExpectedRoutedRows(int64_t routes, int64_t R, int64_t ranks) {
   return R - routes + (routes + ranks - 1) / ranks;
 }
 
+// Columns of the backward's dw_parts: each routed row's share of dweights by 128 columns of
+// the expert's I (the SwiGLU backward's epilogue writes them, the combine sums them in order).
+constexpr int64_t DwPartCols(int64_t I) { return (I + 127) / 128; }
+
 // Ints of the forward's layout scratch: the layout counts, then the tile queue.
 constexpr int64_t LayoutScratchInts(int64_t T, int64_t k, int64_t experts) {
   return LayoutCountInts(T * k, experts) + TileQueueInts(T, k, experts);

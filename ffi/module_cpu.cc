@@ -20,4 +20,6 @@ NB_MODULE(_mok_cpu, m) {
         "Ints of the layout scratch (layout counts and tile queue) that mok_moe_fwd takes.");
   m.def("tile_queue_ints", &mok::TileQueueInts, nb::arg("T"), nb::arg("k"), nb::arg("experts"),
         "Ints of the tile-queue scratch (queues of its GEMM launches) that mok_moe_bwd takes.");
+  m.def("dw_part_cols", &mok::DwPartCols, nb::arg("I"),
+        "Columns of mok_moe_bwd's dw_parts scratch: each routed row's dweights by 128 of I.");
 }

@@ -114,7 +114,6 @@ ffi::Error CheckResiduals(const char* target, const MoeDims& d, ffi::DataType dt
                    CheckBuffer(target, "offsets", r.offsets, s32, {d.E + 1}),
                    CheckBuffer(target, "rows", r.rows, s32, {d.R}),
                    CheckByMode(target, "gu", r.gu, dtype, saved_rows, 2 * d.I, d.recompute),
-                   CheckBuffer(target, "y_routed", r.y_routed, dtype, {d.R, d.H}),
                    CheckByMode(target, "gu_shared", r.gu_shared, dtype, gu_shared_rows,
                                2 * d.Is, d.recompute),
                    CheckByMode(target, "xs", r.xs, dtype, saved_rows, d.H, d.recompute)}) {
@@ -133,7 +132,8 @@ ffi::Error CheckFwdResults(const MoeDims& d, ffi::DataType dtype, const MoeFwdRe
                                Describe(ydt, out.y.dimensions()));
   if (auto err = CheckBuffer(target, "y", out.y, ydt, {d.T, d.H}); err.failure()) return err;
   if (auto err = CheckResiduals(target, d, dtype, out.res); err.failure()) return err;
-  for (auto err : {CheckByMode(target, "xs_scratch", out.xs_scratch, dtype,
+  for (auto err : {CheckBuffer(target, "y_routed", out.y_routed, dtype, {d.R, d.H}),
+                   CheckByMode(target, "xs_scratch", out.xs_scratch, dtype,
                                d.recompute ? d.R : 0, d.H, d.recompute),
                    CheckBuffer(target, "h", out.h, dtype, {d.R, d.I}),
                    CheckBuffer(target, "h_shared", out.h_shared, dtype, {d.T, d.Is}),
@@ -171,6 +171,7 @@ ffi::Error CheckBwdArgs(const MoeDims& d, ffi::DataType dtype, ffi::AnyBuffer dy
                    CheckBuffer(target, "h_shared", out.h_shared, dtype, {d.T, d.Is}),
                    CheckBuffer(target, "dx_shared", out.dx_shared, dtype,
                                {d.Is > 0 ? d.T : 0, d.H}),
+                   CheckBuffer(target, "dw_parts", out.dw_parts, f32, {d.R, DwPartCols(d.I)}),
                    CheckBuffer(target, "queue", out.queue, ffi::DataType::S32,
                                {TileQueueInts(d.T, d.k, d.E)})}) {
     if (err.failure()) return err;

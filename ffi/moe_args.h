@@ -44,7 +44,6 @@ struct MoeResiduals {
   ffi::AnyBuffer offsets;    // (E + 1) s32: first routed row of expert e, multiple of block_m
   ffi::AnyBuffer rows;       // (R) s32: route t*k + j of each routed row, -1 for padding
   ffi::AnyBuffer gu;         // (R, 2I) like x: [x @ w_gate | x @ w_up] before the activation
-  ffi::AnyBuffer y_routed;   // (R, H) like x: unweighted expert output
   ffi::AnyBuffer gu_shared;  // (T, 2Is) like x
   ffi::AnyBuffer xs;         // (R, H) like x: token row of each routed row, 0 padding
 };
@@ -52,6 +51,7 @@ struct MoeResiduals {
 struct MoeFwdResults {
   ffi::AnyBuffer y;  // (T, H) like x, or f32 (a partial sum reduced further)
   MoeResiduals res;
+  ffi::AnyBuffer y_routed;  // scratch (R, H) like x: each route's unweighted expert output
   // scratch (R, H) like x with recompute, whose residual xs has no rows; (0, H) else.
   ffi::AnyBuffer xs_scratch;
   ffi::AnyBuffer h;         // scratch (R, I) like x: silu(g) * u
@@ -72,7 +72,7 @@ struct MoeBwdResults {
   ffi::AnyBuffer dws_down;    // (Is, H)
   // scratch (R, H) like x: xs, the token row of each routed row (without recompute over the
   // residual xs, mok_jax.ops.bwd_aliases), then dx_routed once the weight gradients have read
-  // xs; and dy_routed, w[t, j] * dy[t].
+  // xs; and dy_routed, dy[t] of each route's row.
   ffi::AnyBuffer xs;
   ffi::AnyBuffer dy_routed;
   // [dg | du] over [g | u]: without recompute these alias the residuals gu and gu_shared
@@ -82,6 +82,9 @@ struct MoeBwdResults {
   ffi::AnyBuffer h;           // scratch (R, I) like x: silu(g) * u from gu
   ffi::AnyBuffer h_shared;    // scratch (T, Is) like x
   ffi::AnyBuffer dx_shared;   // scratch (T, H) like x, (0, H) when Is = 0
+  // scratch (R, ceil(I / 128)) f32: each routed row's <dy @ w_down^T, h> by 128 columns of h,
+  // summed into dweights in column order.
+  ffi::AnyBuffer dw_parts;
   ffi::AnyBuffer queue;       // scratch (TileQueueInts(T, k, E)) s32: tile queues of the
                               // backward's GEMM launches
 };
@@ -123,9 +126,9 @@ auto BindMoeFwd(Binding binding) {
       .template Ret<ffi::AnyBuffer>()            // offsets (E + 1) s32
       .template Ret<ffi::AnyBuffer>()            // rows (R) s32
       .template Ret<ffi::AnyBuffer>()            // gu (R, 2I); (0, 2I) with recompute
-      .template Ret<ffi::AnyBuffer>()            // y_routed (R, H)
       .template Ret<ffi::AnyBuffer>()            // gu_shared (T, 2Is); (0, 2Is) with recompute
       .template Ret<ffi::AnyBuffer>()            // xs (R, H); (0, H) with recompute
+      .template Ret<ffi::AnyBuffer>()            // scratch y_routed (R, H)
       .template Ret<ffi::AnyBuffer>()            // scratch xs (0, H); (R, H) with recompute
       .template Ret<ffi::AnyBuffer>()            // scratch h (R, I)
       .template Ret<ffi::AnyBuffer>()            // scratch h_shared (T, Is)
@@ -153,7 +156,6 @@ auto BindMoeBwd(Binding binding) {
       .template Arg<ffi::AnyBuffer>()            // offsets (E + 1) s32
       .template Arg<ffi::AnyBuffer>()            // rows (R) s32
       .template Arg<ffi::AnyBuffer>()            // gu (R, 2I); (0, 2I) with recompute
-      .template Arg<ffi::AnyBuffer>()            // y_routed (R, H)
       .template Arg<ffi::AnyBuffer>()            // gu_shared (T, 2Is); (0, 2Is) with recompute
       .template Arg<ffi::AnyBuffer>()            // xs (R, H); (0, H) with recompute
       .template Ret<ffi::AnyBuffer>()            // dx (T, H)
@@ -171,6 +173,7 @@ auto BindMoeBwd(Binding binding) {
       .template Ret<ffi::AnyBuffer>()            // scratch h (R, I)
       .template Ret<ffi::AnyBuffer>()            // scratch h_shared (T, Is)
       .template Ret<ffi::AnyBuffer>()            // scratch dx_shared (T or 0, H) like x
+      .template Ret<ffi::AnyBuffer>()            // scratch dw_parts f32 (R, ceil(I / 128))
       .template Ret<ffi::AnyBuffer>()            // scratch queue s32 (TileQueueInts(T, k, E))
       .template Attr<int64_t>("block_m")
       .template Attr<bool>("recompute")

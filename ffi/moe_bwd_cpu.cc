@@ -1,17 +1,20 @@
 // mok_moe_bwd on the CPU: every gradient from dy and the forward's residuals.
 //
-//   dy_r[p]  = w[t, j] * dy[t]                 dweights[t, j] = <dy[t], y_routed[p]>
-//   dh       = dy_r @ w_down^T                 dw_down_e = h_e^T @ dy_r_e   (h from gu)
-//   dg, du   = SwiGLU backward(g, u, dh)       dw_gate_e = x_e^T @ dg_e, dw_up_e = x_e^T @ du_e
+//   dy_r[p]  = dy[t]                           dh' = dy_r @ w_down^T, dh = w[t, j] dh'
+//   dweights[t, j] = <dh'[p], h[p]>            (= <dy[t], y_routed[p]>; h = silu(g) u, f32)
+//   dg, du   = SwiGLU backward(g, u, dh)       dw_down_e = (w h)_e^T @ dy_r_e
+//                                              dw_gate_e = x_e^T @ dg_e, dw_up_e = x_e^T @ du_e
 //   dx_r     = dg @ w_gate^T + du @ w_up^T     dx[t] = sum_j dx_r[pos[t, j]] + shared part
 //   (dx_r last: it takes the buffer of xs, as on the GPU; each route's dx_r and the shared
-//   part are rounded to x's dtype, as each route's output is in the forward)
+//   part are rounded to x's dtype, as each route's output is in the forward, and so is w h;
+//   dweights sums each 128 columns of I in dw_parts first, then those in order, as the GPU)
 //
 // gu = [g | u] comes from the residuals, or with recompute from x first (RecomputeGu).
 #include <algorithm>
 #include <string>
 #include <vector>
 
+#include "../cuda/layout_contract.h"
 #include "cpu_math.h"
 #include "moe_args.h"
 #include "moe_cpu.h"
@@ -84,12 +87,17 @@ void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
   // dg | du go over g | u, element by element after reading them: in place where gu is dgu
   // (recompute, or XLA's alias of the residual), else into a buffer of their own.
   const S* gu = (d.recompute ? out.dgu : res.gu).reinterpret_data<S>();
-  const S* y_routed = res.y_routed.reinterpret_data<S>();
   // out.xs is the GPU's xs (the residual's buffer, without recompute), which these loops read
   // from x instead; it then takes dx_r, as on the GPU.
   S* dy_r = out.dy_routed.reinterpret_data<S>();
   S* dgu = out.dgu.reinterpret_data<S>();
   float* dweights = out.dweights.reinterpret_data<float>();
+  float* dw_parts = out.dw_parts.reinterpret_data<float>();
+  const int64_t parts = DwPartCols(I);
+  // The weight of each routed row's route (0 for padding rows).
+  std::vector<float> row_w(d.R, 0.0f);
+  for (int64_t r = 0; r < d.R; ++r)
+    if (rows[r] >= 0) row_w[r] = weights[rows[r]];
 
   S* h_rec = out.h.reinterpret_data<S>();
   // Padding rows hold zeros, so that any reduction over a padded tile sees nothing.
@@ -99,15 +107,7 @@ void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
   std::fill(queue, queue + out.queue.element_count(), 0);  // the CPU GEMMs need no tile queue
   for (int64_t q = 0; q < T * k; ++q) {
     int64_t t = q / k, p = pos[q];
-    float dot = 0.0f;
-    if (p >= 0) {
-      for (int64_t h = 0; h < H; ++h) {
-        float g = Load(dy[t * H + h]);
-        dot += g * Load(y_routed[p * H + h]);
-        dy_r[p * H + h] = Store<S>(weights[q] * g);
-      }
-    }
-    dweights[q] = dot;
+    for (int64_t h = 0; p >= 0 && h < H; ++h) dy_r[p * H + h] = Store<S>(Load(dy[t * H + h]));
   }
 
   S *dwg = out.dw_gate.reinterpret_data<S>(), *dwu = out.dw_up.reinterpret_data<S>(),
@@ -127,13 +127,18 @@ void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
       }
       const S* gu_row = gu + r * 2 * I;
       const S* dyr_row = dy_r + r * H;
+      const float w = row_w[r];
+      std::fill(dw_parts + r * parts, dw_parts + (r + 1) * parts, 0.0f);
       for (int64_t i = 0; i < I; ++i) {
         float g = Load(gu_row[i]), u = Load(gu_row[I + i]);
         float dh = 0.0f;
         for (int64_t h = 0; h < H; ++h) dh += Load(dyr_row[h]) * Load(wd_e[i * H + h]);
+        float hv = Silu(g) * u;
+        dw_parts[r * parts + i / 128] += dh * hv;
+        dh *= w;
         dgu_row[i] = Store<S>(dh * u * SiluGrad(g));
         dgu_row[I + i] = Store<S>(dh * Silu(g));
-        h_rec[r * I + i] = Store<S>(Silu(g) * u);
+        h_rec[r * I + i] = Store<S>(w * hv);
         h_row[i] = Load(h_rec[r * I + i]);
       }
       const S* x_row = x + rows[r] / k * H;
@@ -186,6 +191,9 @@ void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int64_t j = 0; j < k; ++j) {
       int64_t p = pos[t * k + j];
+      float dw = 0.0f;
+      for (int64_t b = 0; p >= 0 && b < parts; ++b) dw += dw_parts[p * parts + b];
+      dweights[t * k + j] = dw;
       if (p < 0) continue;
       for (int64_t h = 0; h < H; ++h) acc[h] += Load(dx_r[p * H + h]);
     }
@@ -229,8 +237,8 @@ ffi::Error MoeBwd(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer experts,
                   ffi::AnyBuffer weights, ffi::AnyBuffer w_gate, ffi::AnyBuffer w_up,
                   ffi::AnyBuffer w_down, ffi::AnyBuffer ws_gate, ffi::AnyBuffer ws_up,
                   ffi::AnyBuffer ws_down, ffi::AnyBuffer pos, ffi::AnyBuffer offsets,
-                  ffi::AnyBuffer rows, ffi::AnyBuffer gu, ffi::AnyBuffer y_routed,
-                  ffi::AnyBuffer gu_shared, ffi::AnyBuffer xs, ffi::Result<ffi::AnyBuffer> dx,
+                  ffi::AnyBuffer rows, ffi::AnyBuffer gu, ffi::AnyBuffer gu_shared,
+                  ffi::AnyBuffer xs, ffi::Result<ffi::AnyBuffer> dx,
                   ffi::Result<ffi::AnyBuffer> dweights, ffi::Result<ffi::AnyBuffer> dw_gate,
                   ffi::Result<ffi::AnyBuffer> dw_up, ffi::Result<ffi::AnyBuffer> dw_down,
                   ffi::Result<ffi::AnyBuffer> dws_gate, ffi::Result<ffi::AnyBuffer> dws_up,
@@ -238,13 +246,14 @@ ffi::Error MoeBwd(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer experts,
                   ffi::Result<ffi::AnyBuffer> dy_routed, ffi::Result<ffi::AnyBuffer> dgu,
                   ffi::Result<ffi::AnyBuffer> dgu_shared, ffi::Result<ffi::AnyBuffer> h,
                   ffi::Result<ffi::AnyBuffer> h_shared, ffi::Result<ffi::AnyBuffer> dx_shared,
-                  ffi::Result<ffi::AnyBuffer> queue, int64_t block_m, bool recompute,
+                  ffi::Result<ffi::AnyBuffer> dw_parts, ffi::Result<ffi::AnyBuffer> queue,
+                  int64_t block_m, bool recompute,
                   int64_t ranks) {
   MoeInputs in{x, experts, weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down};
-  MoeResiduals res{pos, offsets, rows, gu, y_routed, gu_shared, xs};
+  MoeResiduals res{pos, offsets, rows, gu, gu_shared, xs};
   MoeBwdResults out{*dx,       *dweights, *dw_gate, *dw_up,  *dw_down,   *dws_gate,
                     *dws_up,   *dws_down, *xs_rows, *dy_routed, *dgu, *dgu_shared,
-                    *h,        *h_shared, *dx_shared, *queue};
+                    *h,        *h_shared, *dx_shared, *dw_parts, *queue};
   auto dims = CheckInputs("mok_moe_bwd", in, block_m, recompute, ranks);
   if (dims.has_error()) return dims.error();
   auto dtype = x.element_type();

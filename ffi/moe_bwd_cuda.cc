@@ -15,7 +15,7 @@ ffi::Error MoeBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
                       ffi::AnyBuffer w_up, ffi::AnyBuffer w_down, ffi::AnyBuffer ws_gate,
                       ffi::AnyBuffer ws_up, ffi::AnyBuffer ws_down, ffi::AnyBuffer pos,
                       ffi::AnyBuffer offsets, ffi::AnyBuffer rows, ffi::AnyBuffer gu,
-                      ffi::AnyBuffer y_routed, ffi::AnyBuffer gu_shared, ffi::AnyBuffer xs,
+                      ffi::AnyBuffer gu_shared, ffi::AnyBuffer xs,
                       ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dweights,
                       ffi::Result<ffi::AnyBuffer> dw_gate, ffi::Result<ffi::AnyBuffer> dw_up,
                       ffi::Result<ffi::AnyBuffer> dw_down, ffi::Result<ffi::AnyBuffer> dws_gate,
@@ -23,14 +23,14 @@ ffi::Error MoeBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
                       ffi::Result<ffi::AnyBuffer> xs_rows, ffi::Result<ffi::AnyBuffer> dy_routed,
                       ffi::Result<ffi::AnyBuffer> dgu, ffi::Result<ffi::AnyBuffer> dgu_shared,
                       ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> h_shared,
-                      ffi::Result<ffi::AnyBuffer> dx_shared,
+                      ffi::Result<ffi::AnyBuffer> dx_shared, ffi::Result<ffi::AnyBuffer> dw_parts,
                       ffi::Result<ffi::AnyBuffer> queue, int64_t block_m, bool recompute,
                       int64_t ranks) {
   MoeInputs in{x, experts, weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down};
-  MoeResiduals res{pos, offsets, rows, gu, y_routed, gu_shared, xs};
+  MoeResiduals res{pos, offsets, rows, gu, gu_shared, xs};
   MoeBwdResults out{*dx,       *dweights, *dw_gate, *dw_up,  *dw_down,   *dws_gate,
                     *dws_up,   *dws_down, *xs_rows, *dy_routed, *dgu, *dgu_shared,
-                    *h,        *h_shared, *dx_shared, *queue};
+                    *h,        *h_shared, *dx_shared, *dw_parts, *queue};
   auto dims = CheckInputs("mok_moe_bwd", in, block_m, recompute, ranks);
   if (dims.has_error()) return dims.error();
   const MoeDims& d = *dims;
@@ -47,7 +47,7 @@ ffi::Error MoeBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
   a.ws_down = ws_down.untyped_data();
   a.pos = pos.reinterpret_data<int32_t>(), a.offsets = offsets.reinterpret_data<int32_t>();
   a.rows = rows.reinterpret_data<int32_t>();
-  a.gu = gu.untyped_data(), a.y_routed = y_routed.untyped_data();
+  a.gu = gu.untyped_data();
   a.gu_shared = gu_shared.untyped_data();
   a.dx = out.dx.untyped_data(), a.dweights = out.dweights.reinterpret_data<float>();
   a.dw_gate = out.dw_gate.untyped_data(), a.dw_up = out.dw_up.untyped_data();
@@ -62,6 +62,7 @@ ffi::Error MoeBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
   a.dgu = out.dgu.untyped_data(), a.h = out.h.untyped_data();
   a.dgu_shared = out.dgu_shared.untyped_data(), a.h_shared = out.h_shared.untyped_data();
   a.dx_shared = out.dx_shared.untyped_data();
+  a.dw_parts = out.dw_parts.reinterpret_data<float>();
   a.recompute = d.recompute;
   a.queue = out.queue.reinterpret_data<int32_t>();
   if (const char* err = cuda::LaunchMoeBwd(a, stream))

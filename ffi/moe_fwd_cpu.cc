@@ -64,7 +64,7 @@ void Forward(const MoeDims& d, const MoeInputs& in, const MoeFwdResults& out) {
   // (GateUp needs somewhere to round it to; h comes from the f32 g, u, so y has the same bits).
   S* gu = d.recompute ? nullptr : out.res.gu.reinterpret_data<S>();
   std::vector<S> gu_local(d.recompute ? 2 * std::max(I, Is) : 0);
-  S* y_routed = out.res.y_routed.reinterpret_data<S>();
+  S* y_routed = out.y_routed.reinterpret_data<S>();
   S* xs = (d.recompute ? out.xs_scratch : out.res.xs).reinterpret_data<S>();
   S* h = out.h.reinterpret_data<S>();
   Y* y = out.y.reinterpret_data<Y>();
@@ -120,15 +120,15 @@ ffi::Error MoeFwd(ffi::AnyBuffer x, ffi::AnyBuffer experts, ffi::AnyBuffer weigh
                   ffi::AnyBuffer ws_gate, ffi::AnyBuffer ws_up, ffi::AnyBuffer ws_down,
                   ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> pos,
                   ffi::Result<ffi::AnyBuffer> offsets, ffi::Result<ffi::AnyBuffer> rows,
-                  ffi::Result<ffi::AnyBuffer> gu, ffi::Result<ffi::AnyBuffer> y_routed,
-                  ffi::Result<ffi::AnyBuffer> gu_shared, ffi::Result<ffi::AnyBuffer> xs,
+                  ffi::Result<ffi::AnyBuffer> gu, ffi::Result<ffi::AnyBuffer> gu_shared,
+                  ffi::Result<ffi::AnyBuffer> xs, ffi::Result<ffi::AnyBuffer> y_routed,
                   ffi::Result<ffi::AnyBuffer> xs_scratch, ffi::Result<ffi::AnyBuffer> h,
                   ffi::Result<ffi::AnyBuffer> h_shared, ffi::Result<ffi::AnyBuffer> y_shared,
                   ffi::Result<ffi::AnyBuffer> layout,
                   int64_t block_m, bool recompute, int64_t ranks) {
   MoeInputs in{x, experts, weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down};
-  MoeFwdResults out{*y,          {*pos, *offsets, *rows, *gu, *y_routed, *gu_shared, *xs},
-                    *xs_scratch, *h, *h_shared, *y_shared, *layout};
+  MoeFwdResults out{*y,          {*pos, *offsets, *rows, *gu, *gu_shared, *xs},
+                    *y_routed,   *xs_scratch, *h, *h_shared, *y_shared, *layout};
   auto dims = CheckInputs("mok_moe_fwd", in, block_m, recompute, ranks);
   if (dims.has_error()) return dims.error();
   auto dtype = x.element_type();

@@ -16,15 +16,15 @@ ffi::Error MoeFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer expe
                       ffi::AnyBuffer ws_down, ffi::Result<ffi::AnyBuffer> y,
                       ffi::Result<ffi::AnyBuffer> pos, ffi::Result<ffi::AnyBuffer> offsets,
                       ffi::Result<ffi::AnyBuffer> rows, ffi::Result<ffi::AnyBuffer> gu,
-                      ffi::Result<ffi::AnyBuffer> y_routed, ffi::Result<ffi::AnyBuffer> gu_shared,
-                      ffi::Result<ffi::AnyBuffer> xs, ffi::Result<ffi::AnyBuffer> xs_scratch,
+                      ffi::Result<ffi::AnyBuffer> gu_shared, ffi::Result<ffi::AnyBuffer> xs,
+                      ffi::Result<ffi::AnyBuffer> y_routed, ffi::Result<ffi::AnyBuffer> xs_scratch,
                       ffi::Result<ffi::AnyBuffer> h,
                       ffi::Result<ffi::AnyBuffer> h_shared, ffi::Result<ffi::AnyBuffer> y_shared,
                       ffi::Result<ffi::AnyBuffer> layout, int64_t block_m, bool recompute,
                       int64_t ranks) {
   MoeInputs in{x, experts, weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down};
-  MoeFwdResults out{*y,          {*pos, *offsets, *rows, *gu, *y_routed, *gu_shared, *xs},
-                    *xs_scratch, *h, *h_shared, *y_shared, *layout};
+  MoeFwdResults out{*y,          {*pos, *offsets, *rows, *gu, *gu_shared, *xs},
+                    *y_routed,   *xs_scratch, *h, *h_shared, *y_shared, *layout};
   auto dims = CheckInputs("mok_moe_fwd", in, block_m, recompute, ranks);
   if (dims.has_error()) return dims.error();
   const MoeDims& d = *dims;
@@ -48,7 +48,7 @@ ffi::Error MoeFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer expe
   // With recompute gu is not kept (the backward recomputes it into its own scratch): null
   // makes the gate|up epilogue skip storing it and write h alone.
   a.gu = d.recompute ? nullptr : out.res.gu.untyped_data();
-  a.y_routed = out.res.y_routed.untyped_data();
+  a.y_routed = out.y_routed.untyped_data();
   a.gu_shared = d.recompute ? nullptr : out.res.gu_shared.untyped_data();
   // Without recompute xs is a residual: the backward's weight gradients read it.
   a.xs = (d.recompute ? out.xs_scratch : out.res.xs).untyped_data(), a.h = out.h.untyped_data();

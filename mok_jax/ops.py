@@ -53,13 +53,13 @@ class MoeDims(NamedTuple):
 class Residuals(NamedTuple):
   """What mok_moe_fwd saves for mok_moe_bwd. R = routed_rows(T * k, E, block_m). With
   Config.recompute, gu, gu_shared and xs have zero rows: the backward recomputes them from x.
-  Rows of gu, y_routed and xs past offsets[E] (the rows in use) are unspecified."""
+  Rows of gu and xs past offsets[E] (the rows in use) are unspecified. The routes' outputs
+  (y_routed) are not kept: the backward takes dweights from <dy @ w_down^T, h>."""
 
   pos: jax.Array  # (T, k) int32: routed row of route (t, j); -1 for an invalid id
   offsets: jax.Array  # (E + 1,) int32: first routed row of each expert; [E] = rows in use
   rows: jax.Array  # (R,) int32: route t * k + j held by each routed row; -1 for padding
   gu: jax.Array  # (R, 2I) x.dtype: pre-activation [x @ w_gate | x @ w_up] of each routed row
-  y_routed: jax.Array  # (R, H) x.dtype: unweighted expert output of each routed row
   gu_shared: jax.Array  # (T, 2Is) x.dtype: pre-activation of the shared expert
   xs: jax.Array  # (R, H) x.dtype: token row of each routed row, zeros for padding
 
@@ -193,9 +193,9 @@ def fwd_results(dims: MoeDims, dtype, out_dtype, block_m, recompute=False) -> tu
       sds((E + 1,), jnp.int32),  # offsets
       sds((R,), jnp.int32),  # rows
       sds((Rg, 2 * I), dtype),  # gu
-      sds((R, H), dtype),  # y_routed
       sds((Tg, 2 * Is), dtype),  # gu_shared
       sds((Rg, H), dtype),  # xs: the token row of each routed row
+      sds((R, H), dtype),  # scratch y_routed: the unweighted expert output of each routed row
       sds((R - Rg, H), dtype),  # scratch xs, with recompute
       sds((R, I), dtype),  # scratch h = silu(g) * u
       sds((T, Is), dtype),  # scratch h of the shared expert
@@ -223,12 +223,14 @@ def bwd_results(dims: MoeDims, dtype, block_m, recompute=False) -> tuple:
       # scratch: the token row of each routed row (xs), then, once the weight gradients have
       # read it, dx of each routed row (summed per token in j order) over it
       sds((R, H), dtype),
-      sds((R, H), dtype),  # scratch: dy_routed = w * dy of each routed row
+      sds((R, H), dtype),  # scratch: dy_routed, dy of each routed row
       sds((R, 2 * I), dtype),  # scratch: [dg | du] of each routed row, over gu
       sds((T, 2 * Is), dtype),  # scratch: [dg | du] of the shared expert, over gu_shared
       sds((R, I), dtype),  # scratch: h = silu(g) * u, recomputed from gu
       sds((T, Is), dtype),  # scratch: h of the shared expert
       sds((T if Is else 0, H), dtype),  # scratch: dx of the shared expert
+      # scratch: each routed row's <dy @ w_down^T, h> by 128 columns of I, summed into dweights
+      sds((R, _mok_cpu.dw_part_cols(I)), jnp.float32),
       sds((_mok_cpu.tile_queue_ints(T, k, E),), jnp.int32),  # scratch: tile queues of the GEMMs
   )
 
@@ -236,9 +238,9 @@ def bwd_results(dims: MoeDims, dtype, block_m, recompute=False) -> tuple:
 # mok_moe_bwd's operands gu, gu_shared and xs (after dy and the nine inputs of the forward and
 # pos, offsets, rows) and its results dgu, dgu_shared (after the eight gradients, xs and
 # dy_routed) and xs.
-_BWD_GU_OPERANDS = (13, 15)
+_BWD_GU_OPERANDS = (13, 14)
 _BWD_DGU_RESULTS = (10, 11)
-_BWD_XS_OPERAND, _BWD_XS_RESULT = 16, 8
+_BWD_XS_OPERAND, _BWD_XS_RESULT = 15, 8
 
 
 def bwd_aliases(dims: MoeDims, recompute=False) -> dict:
@@ -267,10 +269,10 @@ def footprint(dims: MoeDims, dtype, block_m=Config.block_m, recompute=False) -> 
   block_m) = T k + min(E, T k) (block_m - 1), S = [Is > 0], G = b (2 R I + 2 T Is) the bytes of
   gu and gu_shared, X = b R H those of xs (each routed row's token row), and C = [recompute]:
 
-    residuals   = 4 (T k + E + 1 + R) + b R H + (1 - C) (G + X)
-    fwd scratch = b (R I + T Is + S T H) + C X + 4 (ceil(T k / 1024) E + Q),
+    residuals   = 4 (T k + E + 1 + R) + (1 - C) (G + X)
+    fwd scratch = b (R H + R I + T Is + S T H) + C X + 4 (ceil(T k / 1024) E + Q),
                   Q = 8 + ceil((T k + 127 E) / 64) + ceil(T / 128) (the tile queue)
-    bwd scratch = b (R H + R I + T Is + S T H) + 4 Q + C (G + X)
+    bwd scratch = b (R H + R I + T Is + S T H) + 4 Q + 4 R ceil(I / 128) + C (G + X)
 
   The backward's dx of each routed row (b R H) takes the buffer of xs once the weight gradients
   have read that, and its dgu (G) the buffer of gu: the residuals', or with recompute the ones
@@ -278,7 +280,9 @@ def footprint(dims: MoeDims, dtype, block_m=Config.block_m, recompute=False) -> 
 
   Recompute moves G + X from the residuals, held from the forward until the backward, into the
   backward's scratch, which that call frees (the forward then holds xs as scratch and writes no
-  gu at all): less memory a layer for a gather and a GEMM more. The forward's y and the
+  gu at all), and leaves the routing layout the only residual: less memory a layer for a gather
+  and a GEMM more. Each route's output (b R H) is forward scratch: the backward takes dweights
+  from <dy @ w_down^T, h>, not from it. The forward's y and the
   backward's gradients are not counted (any implementation has them).
   """
   T, H, I, E, k, Is = dims
@@ -291,9 +295,10 @@ def footprint(dims: MoeDims, dtype, block_m=Config.block_m, recompute=False) -> 
   chunks = -(-T * k // 1024)
   Q = 8 + -(-(T * k + 127 * E) // 64) + -(-T // 128)
   return Footprint(
-      residuals=4 * (T * k + E + 1 + R) + b * R * H + (1 - C) * (G + X),
-      fwd_scratch=b * (R * I + T * Is + S * T * H) + C * X + 4 * (chunks * E + Q),
-      bwd_scratch=b * (R * H + R * I + T * Is + S * T * H) + 4 * Q + C * (G + X),
+      residuals=4 * (T * k + E + 1 + R) + (1 - C) * (G + X),
+      fwd_scratch=b * (R * H + R * I + T * Is + S * T * H) + C * X + 4 * (chunks * E + Q),
+      bwd_scratch=(b * (R * H + R * I + T * Is + S * T * H) + 4 * Q + 4 * R * -(-I // 128) +
+                   C * (G + X)),
   )
 
 

@@ -100,18 +100,15 @@ def test_ffi_layout_residuals(block_m):
   np.testing.assert_array_equal(np.asarray(res.rows), rows)
   assert np.all(offsets % block_m == 0)
 
-  # gu and y_routed: each route's pre-activations and unweighted expert output at its row.
+  # gu: each route's pre-activations at its row.
   x = np.asarray(case.x, np.float64)
   t, j = np.nonzero(pos >= 0)
   e, p = experts[t, j], pos[t, j]
-  w_gate, w_up, w_down = (np.asarray(w, np.float64) for w in case.args()[3:])
+  w_gate, w_up = (np.asarray(w, np.float64) for w in case.args()[3:5])
   g = np.einsum("rh,rhi->ri", x[t], w_gate[e])
   u = np.einsum("rh,rhi->ri", x[t], w_up[e])
-  out = np.einsum("ri,rih->rh", oracle.silu(g) * u, w_down[e])
   assert_close(np.asarray(res.gu)[p], np.concatenate([g, u], axis=1), RTOL[F32], "gu")
-  assert_close(np.asarray(res.y_routed)[p], out, RTOL[F32], "y_routed")
   padding = np.asarray(res.rows) < 0
-  assert not np.any(np.asarray(res.y_routed)[padding]), "padding rows must hold zeros"
   # xs: each route's token row at its row, zeros for the padding (the backward's weight
   # gradients read it as the gather left it).
   np.testing.assert_array_equal(np.asarray(res.xs)[p], np.asarray(case.x)[t])

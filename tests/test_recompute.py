@@ -111,7 +111,7 @@ def test_residuals_of_the_mode(recompute):
   rows = (0, 0) if recompute else (R, 37)
   for eqn in calls.values():
     assert dict(eqn.params["attributes"])["recompute"] == recompute
-  gu, gu_shared = calls["mok_moe_bwd"].invars[13], calls["mok_moe_bwd"].invars[15]
+  gu, gu_shared = calls["mok_moe_bwd"].invars[13], calls["mok_moe_bwd"].invars[14]
   assert gu.aval.shape == (rows[0], 16) and gu_shared.aval.shape == (rows[1], 24)
   _, res = ops.moe_fwd(case.x, jnp.asarray(case.experts), case.weights, case.w_gate, case.w_up,
                        case.w_down, case.shared, out_dtype=F32, block_m=4, recompute=recompute)

@@ -67,9 +67,6 @@ def test_forward_keeps_no_gu(T, H, I, E, k, Is):
   assert bits(y_save) == bits(y_rec)
   for name in ("pos", "offsets", "rows"):
     assert bits(getattr(res_save, name)) == bits(getattr(res_rec, name)), name
-  # Routed rows past offsets[E] are never written (the kernel leaves XLA's memory as it was).
-  used = int(res_save.offsets[-1])
-  assert bits(res_save.y_routed[:used]) == bits(res_rec.y_routed[:used])
 
 
 def test_same_bits_f32_partial_output_under_shard_map():

@@ -183,7 +183,18 @@ __device__ __forceinline__ void StageAndStore(const GemmParams& p, const GemmTil
 // loads issued two passes ahead; each thread computes at its accumulator positions from shared
 // memory, writes dg and du over the g and u it read and h beside them; then all three leave with
 // coalesced 16-byte stores. Shared-memory accesses are volatile asm, kept in program order: each
-// step issues all of its loads before it uses any, so that their latencies overlap. dgu may be
+// step issues all of its loads before it uses any, so that their latencies overlap.
+//
+// With row_scale (the routed MLP) the tile is each row's dh before its route's weight w (A is
+// dy gathered, unscaled): the row's share of dweights, <dh, h> (h = silu(g) u in f32) over each
+// 128 columns, goes to dw_parts (each thread's sums a pass, its quad's by a fixed butterfly,
+// then the passes': the same bits whatever the tile's shape), and the epilogue goes on with
+// w dh, storing w h for dw_down's A (GemmParams). Without it (the shared expert) w is 1.
+//
+// NOTES: the sums cost registers where the accumulators and the g, u two passes ahead fill the
+// 168 a thread: summing each thread's values over 128 columns before the butterfly spilled
+// (72-196 bytes, some in the k-loop), and <dh, round(h)> took an unpack more a value; as here
+// 4-12 bytes spill, outside the loops. dgu may be
 // gu itself (mok_jax.ops.bwd_aliases): a thread reads each 16-byte chunk of g and u before it
 // writes dg or du there, and no other thread reads that chunk, so no load (the read-only path's
 // included) sees a chunk after its store.
@@ -253,6 +264,7 @@ __device__ __forceinline__ void SwiGLUBwdStaged(const GemmParams& p, const GemmT
   constexpr int kPasses = AccCols<Accum>() / kCols;
   constexpr uint32_t kRegionBytes = kWarpgroupRows * kCols * 2;
   static_assert(sizeof(smem.stage[0]) == 3 * kRegionBytes, "g, u and h");
+  static_assert(kPasses % 4 == 0, "whole 128-column parts of dweights");
   const int wg = thread / 128, wg_thread = thread % 128;
   const uint32_t barrier = 2 + wg;
   const uint32_t g_s = SmemAddr(smem.stage[wg]);
@@ -261,6 +273,18 @@ __device__ __forceinline__ void SwiGLUBwdStaged(const GemmParams& p, const GemmT
   auto* h = static_cast<__nv_bfloat16*>(p.out1);
   const SwiGLUBwdCopies copies(p, tile, wg_thread, part, AccCols<Accum>());
   const int r1 = copies.r1, cc = copies.cc;
+  const int r0 = AccRow(wg_thread), c0 = AccCol(wg_thread);
+  // This thread's rows r0 and r0 + 8: their routes' weights and sums of <dh, h> so far.
+  const bool scaled = p.row_scale != nullptr;
+  float w[2] = {1.0f, 1.0f}, dot[2] = {0.0f, 0.0f}, part_sum = 0.0f;
+  if (scaled) {
+    CUTE_UNROLL
+    for (int i = 0; i < 2; ++i) {
+      const int64_t row = part.row0 + r0 + 8 * i;
+      const int32_t route = row < tile.m_end ? __ldg(p.row_tokens + row) : -1;
+      w[i] = route >= 0 ? __ldg(p.row_scale + route) : 0.0f;
+    }
+  }
   // Byte offset of element (row, 8 chunk) of a (64, 32) array: chunks swizzled by row / 2, so
   // that both the 16-byte copies and the 4-byte accesses at accumulator positions are free of
   // bank conflicts.
@@ -279,7 +303,6 @@ __device__ __forceinline__ void SwiGLUBwdStaged(const GemmParams& p, const GemmT
       copies.Load(p, pass, in[pass]);
     }
   }
-  const int r0 = AccRow(wg_thread), c0 = AccCol(wg_thread);
   CUTE_UNROLL
   for (int pass = 0; pass < kPasses; ++pass) {
     const bool col_in = copies.col_in(p, pass);
@@ -302,14 +325,17 @@ __device__ __forceinline__ void SwiGLUBwdStaged(const GemmParams& p, const GemmT
     for (int j = 0; j < 8; ++j) {
       const int v = 16 * pass + 2 * j;
       const float2 g = UnpackBf16(gv[j]), u = UnpackBf16(uv[j]);
-      const float dh0 = acc(v), dh1 = acc(v + 1);
+      const float dh0 = w[j & 1] * acc(v), dh1 = w[j & 1] * acc(v + 1);
       const float s0 = Sigmoid(g.x), s1 = Sigmoid(g.y);
       const float silu0 = g.x * s0, silu1 = g.y * s1;
       // d silu / dg = sigmoid(g) * (1 + g * (1 - sigmoid(g))).
       dg_bits[j] = PackBf16(dh0 * u.x * s0 * (1.0f + g.x * (1.0f - s0)),
                             dh1 * u.y * s1 * (1.0f + g.y * (1.0f - s1)));
       du_bits[j] = PackBf16(dh0 * silu0, dh1 * silu1);
-      h_bits[j] = PackBf16(silu0 * u.x, silu1 * u.y);
+      const float h0 = silu0 * u.x, h1 = silu1 * u.y;
+      h_bits[j] = PackBf16(w[j & 1] * h0, w[j & 1] * h1);  // w = 1: h's own bits
+      dot[j & 1] = fmaf(acc(v), h0, dot[j & 1]);
+      dot[j & 1] = fmaf(acc(v + 1), h1, dot[j & 1]);
     }
     CUTE_UNROLL
     for (int j = 0; j < 8; ++j) {  // each thread rewrites only the positions it read
@@ -318,6 +344,24 @@ __device__ __forceinline__ void SwiGLUBwdStaged(const GemmParams& p, const GemmT
     }
     CUTE_UNROLL
     for (int j = 0; j < 8; ++j) StoreShared32(h_s + a[j], h_bits[j]);
+    if (scaled) {
+      // The pass's sums of the quad's rows r0 (c0 = 0, 2 keep it) and r0 + 8 (c0 = 4, 6).
+      CUTE_UNROLL
+      for (int i = 0; i < 2; ++i) {
+        dot[i] += __shfl_xor_sync(0xffffffffu, dot[i], 1);
+        dot[i] += __shfl_xor_sync(0xffffffffu, dot[i], 2);
+      }
+      part_sum += c0 < 4 ? dot[0] : dot[1];
+      dot[0] = dot[1] = 0.0f;
+      if (pass % 4 == 3) {  // the end of 128 columns
+        const int col = tile.n_tile * GemmConfig::kBlockN + part.part * AccCols<Accum>() +
+                        kCols * (pass - 3);
+        const int64_t row = part.row0 + r0 + (c0 < 4 ? 0 : 8);
+        if (c0 % 4 == 0 && row < tile.m_end && col < p.n)
+          p.dw_parts[row * p.dw_part_cols + col / 128] = part_sum;
+        part_sum = 0.0f;
+      }
+    }
     NamedBarrierSync(barrier, 128);
     uint4 out[6];  // q = 0, 1: dg; 2, 3: du; 4, 5: h
     CUTE_UNROLL

@@ -47,8 +47,10 @@ enum class Epilogue {
   // (rows, 2n) gets [g | u] rounded (null: gu is not stored), out1 = h (rows, n) gets
   // round(silu(g) * u) from f32 g, u.
   kSwiGLU,
-  // Backward of SwiGLU: the tile is dh; aux = gu (rows, 2n). out0 = dgu (rows, 2n) gets
-  // [dh * u * silu'(g) | dh * silu(g)], out1 = h (rows, n) gets round(silu(g) * u).
+  // Backward of SwiGLU: the tile is dh / w; aux = gu (rows, 2n). out0 = dgu (rows, 2n) gets
+  // [dh * u * silu'(g) | dh * silu(g)], out1 (rows, n) round(w * silu(g) * u), dw_parts the
+  // rows' <dh / w, silu(g) * u> by 128 columns. w is each row's route weight (row_scale), or 1
+  // (null).
   kSwiGLUBwd,
 };
 
@@ -179,6 +181,9 @@ struct GemmParams {
   void* out0;
   void* out1;
   const __nv_bfloat16* aux; // kSwiGLUBwd: gu
+  const float* row_scale;   // kSwiGLUBwd: the weight of each route (row_tokens), or null: 1
+  float* dw_parts;          // kSwiGLUBwd with row_scale: (m_total, dw_part_cols) f32
+  int dw_part_cols;         // ceil(n / 128)
 };
 
 // Whether a GEMM of `Kind` reads b1: kSwiGLU's w_up, or a K-major B past k_split. The host

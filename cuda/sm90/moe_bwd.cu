@@ -2,12 +2,18 @@
 //
 //   xs = x[token of each routed row] (recompute only)      GatherKernel, as the forward
 //   gu, h = SwiGLU(xs @ [w_gate | w_up]) (recompute only)  LaunchExpertMlps, as the forward
-//   dy_r = w * dy (gathered), dweights = <dy, y_routed>    ScaleGatherKernel
-//   dgu, h = SwiGLU'(dy_r @ w_down^T)                      BwdDown, dgu over gu
-//   dw_down = h^T @ dy_r, [dw_gate | dw_up] = xs^T @ dgu   BwdWeights, one CTA per
-//                                                          weight-gradient tile
+//   dy_r = dy (gathered; f32 dy rounded to bf16)           GatherKernel
+//   dh' = dy_r @ w_down^T, parts of <dh', h>;              BwdDown, dgu over gu
+//   dgu, w h = SwiGLU'(w dh') (w: the row's route weight)
+//   dw_down = (w h)^T @ dy_r, [dw_gate | dw_up] =          BwdWeights, one CTA per
+//   xs^T @ dgu                                             weight-gradient tile
 //   dx_r = dgu @ [w_gate | w_up]^T  (rounded to bf16)      BwdGateUp, over xs
-//   dx = sum_j dx_r[pos] + shared dx                       CombineKernel
+//   dx = sum_j dx_r[pos] + shared dx; dweights = the       CombineKernel
+//   sum of each route's parts
+//
+// dweights[t, j] = <dy[t], y_routed[pos]> = <dy[t] @ w_down^T, h[pos]>: the backward needs no
+// y_routed, which the forward so keeps as scratch, not as a residual (b R H bytes a layer from
+// the forward until the backward: README, Memory).
 //
 // Every reduction has a single owner and a fixed order: the same bits on every run.
 #include "../launch.h"
@@ -27,24 +33,28 @@ using sm90::GemmParams;
 namespace {
 
 // The expert MLPs' backward over the row groups of `offsets` (null: one group of m rows).
-// x_rows, gu and dy_r are the MLP's input rows, saved pre-activations and output gradients.
+// x_rows, gu and dy_r are the MLP's input rows, saved pre-activations and output gradients
+// (before the routes' weights); row_scale (null: 1) the weight of each row's route (row_tokens),
+// and dw_parts (with row_scale) takes the rows' parts of dweights (GemmParams).
 struct MlpGrads {
   const void *x_rows, *gu, *dy_r;
   const void *w_gate, *w_up, *w_down;
   const int32_t* offsets;
   const int32_t* row_tokens;  // with offsets: each row's route, -1 for padding (or null)
+  const float* row_scale;
   int block_m;
   int groups;
   int64_t m, H, I;
   int64_t m_expected;  // the rows the launch choices expect used (GemmParams::m_expected)
-  void *dgu, *h;      // scratch
+  void *dgu, *h;      // scratch; h takes w h
+  float* dw_parts;    // scratch (m, ceil(I / 128)) with row_scale
   void* dx_rows;      // (m, H)
   void *dw_gate, *dw_up, *dw_down;
 };
 
 // The data gradients of the MLPs (routed, and the shared one if count = 2) as two chains, each
-// GEMM in slot j of the MLP: `down` computes dgu, h = SwiGLU'(dy_r @ w_down^T), `dx` then dx_r
-// = dgu @ [w_gate | w_up]^T.
+// GEMM in slot j of the MLP: `down` computes dgu, w h = SwiGLU'(w (dy_r @ w_down^T)) and the
+// parts of dweights, `dx` then dx_r = dgu @ [w_gate | w_up]^T.
 const char* DataGradChains(const MlpGrads* mlps, int count, ChainParams* down_chain,
                            ChainParams* dx_chain) {
   *down_chain = sm90::EmptyChain();
@@ -57,6 +67,8 @@ const char* DataGradChains(const MlpGrads* mlps, int count, ChainParams* down_ch
     down = sm90::RowGroups(g.offsets, g.block_m, g.groups, g.m, g.m_expected);
     down.n = I, down.k = H, down.k_split = H, down.n_split = I;
     down.aux = static_cast<const __nv_bfloat16*>(g.gu), down.out0 = g.dgu, down.out1 = g.h;
+    down.row_tokens = g.row_tokens, down.row_scale = g.row_scale;
+    down.dw_parts = g.dw_parts, down.dw_part_cols = static_cast<int>(DwPartCols(g.I));
     if (auto err = sm90::PrepareGemm<sm90::BwdDown>(down, {g.dy_r, H, g.m},
                                                     {g.w_down, H, g.groups * g.I}, {}))
       return err;
@@ -75,7 +87,7 @@ const char* DataGradChains(const MlpGrads* mlps, int count, ChainParams* down_ch
 }
 
 // The weight gradients of the MLPs as one chain, one CTA per output tile over the whole
-// ragged reduction: dw_down_g = h_g^T @ dy_r_g (I, H) (slots 0, 1) and [dw_gate_g |
+// ragged reduction: dw_down_g = (w h)_g^T @ dy_r_g (I, H) (slots 0, 1) and [dw_gate_g |
 // dw_up_g] = x_rows_g^T @ [dg_g | du_g] (H, 2I, split at I) (slots 2, 3). Each group's
 // reduction stops at its last used row (rounded up to the Kind's kBlockK: 32, or 64 in runs):
 // the padding rows are zero. Launched as `Kind` (BwdWeights, or BwdWeightRuns for run_tiles >
@@ -119,22 +131,20 @@ const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
   const int E = static_cast<int>(a.E), k = static_cast<int>(a.k), H = static_cast<int>(a.H);
 
   // Tile queues (header ints): 0 the recompute's gate|up, 1 dgu, 2 the weight gradients, 3
-  // dx_r; then the recompute's per-row-tile counts of gu. The gather clears them (or, with no
-  // gather, the scaled gather).
+  // dx_r; then the recompute's per-row-tile counts of gu. The first gather clears them.
   int32_t* ready = a.queue + kQueueHeaderInts;
   const int mlp_count = a.Is > 0 ? 2 : 1;
   const int64_t routes = a.T * a.k;
   const int64_t expected = ExpectedRoutedRows(routes, a.R, a.ranks);
-  // Without recompute xs is the forward's (a residual): no gather, and the scaled gather
-  // clears the queues instead.
+  // Without recompute xs is the forward's (a residual): no gather of it.
   //
   // NOTES: the gather took 0.19 ms of dsv3's forward+backward, 0.08 of gptoss_120b's (H200,
   // 2026-12-02, tools/ab); keeping xs costs b R H bytes of residuals a layer (README, Memory).
   const int64_t queue_ints = TileQueueInts(a.T, a.k, a.E);
   if (a.recompute) {
     sm90::GatherKernel<<<sm90::GatherCtas(a.T, E), 256, 0, stream>>>(
-        static_cast<const uint4*>(a.x), a.pos, a.rows, a.offsets, a.T, k, a.block_m, H / 8,
-        static_cast<uint4*>(a.xs), a.queue, queue_ints);
+        static_cast<const bf16*>(a.x), a.pos, a.rows, a.offsets, a.T, k, a.block_m, H,
+        static_cast<bf16*>(a.xs), a.queue, queue_ints);
   }
   // Recompute: the forward's gate|up launches on the same rows (xs gathered as the forward
   // gathers it, x for the shared expert), hence the bits it would have saved, into dgu, which
@@ -151,22 +161,24 @@ const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
                                           stream))
       return err;
   }
-  const auto* y_routed = static_cast<const bf16*>(a.y_routed);
   auto* dy_r = static_cast<bf16*>(a.dy_routed);
+  const int64_t zero_ints = a.recompute ? 0 : queue_ints;
   if (a.dy_f32) {
-    sm90::ScaleGatherKernel<float><<<sm90::GatherCtas(a.T, E), 256, 0, stream>>>(
-        static_cast<const float*>(a.dy), y_routed, a.rows, a.offsets, a.pos, a.T, a.weights, k,
-        a.block_m, H, dy_r, a.dweights, a.queue, a.recompute ? 0 : queue_ints);
+    sm90::GatherKernel<float><<<sm90::GatherCtas(a.T, E), 256, 0, stream>>>(
+        static_cast<const float*>(a.dy), a.pos, a.rows, a.offsets, a.T, k, a.block_m, H, dy_r,
+        a.queue, zero_ints);
   } else {
-    sm90::ScaleGatherKernel<bf16><<<sm90::GatherCtas(a.T, E), 256, 0, stream>>>(
-        static_cast<const bf16*>(a.dy), y_routed, a.rows, a.offsets, a.pos, a.T, a.weights, k,
-        a.block_m, H, dy_r, a.dweights, a.queue, a.recompute ? 0 : queue_ints);
+    sm90::GatherKernel<bf16><<<sm90::GatherCtas(a.T, E), 256, 0, stream>>>(
+        static_cast<const bf16*>(a.dy), a.pos, a.rows, a.offsets, a.T, k, a.block_m, H, dy_r,
+        a.queue, zero_ints);
   }
   const MlpGrads mlps[2] = {
-      {a.xs, gu, a.dy_routed, a.w_gate, a.w_up, a.w_down, a.offsets, a.rows, a.block_m, E, a.R,
-       a.H, a.I, expected, a.dgu, a.h, a.dx_routed, a.dw_gate, a.dw_up, a.dw_down},
-      {a.x, gu_shared, a.dy, a.ws_gate, a.ws_up, a.ws_down, nullptr, nullptr, 128, 1, a.T, a.H,
-       a.Is, a.T, a.dgu_shared, a.h_shared, a.dx_shared, a.dws_gate, a.dws_up, a.dws_down}};
+      {a.xs, gu, a.dy_routed, a.w_gate, a.w_up, a.w_down, a.offsets, a.rows, a.weights,
+       a.block_m, E, a.R, a.H, a.I, expected, a.dgu, a.h, a.dw_parts, a.dx_routed, a.dw_gate,
+       a.dw_up, a.dw_down},
+      {a.x, gu_shared, a.dy, a.ws_gate, a.ws_up, a.ws_down, nullptr, nullptr, nullptr, 128, 1,
+       a.T, a.H, a.Is, a.T, a.dgu_shared, a.h_shared, nullptr, a.dx_shared, a.dws_gate,
+       a.dws_up, a.dws_down}};
   // dgu and h first; then the weight gradients, which write theirs, and dx_r, which reads the
   // weights, each a launch of its own. dx_r comes last because its rows take the buffer of xs,
   // which the weight gradients read.
@@ -196,7 +208,7 @@ const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
   sm90::CombineKernel<bf16, bf16><<<static_cast<unsigned>(CeilDiv(a.T, 8)), 256, 0, stream>>>(
       static_cast<const bf16*>(a.dx_routed),
       a.Is > 0 ? static_cast<const bf16*>(a.dx_shared) : nullptr, a.pos, nullptr, a.T, k, H,
-      static_cast<bf16*>(a.dx));
+      static_cast<bf16*>(a.dx), a.dw_parts, static_cast<int>(DwPartCols(a.I)), a.dweights);
   return Check(cudaGetLastError());
 }
 

@@ -82,8 +82,8 @@ const char* LaunchMoeFwd(const MoeFwdArgs& a, cudaStream_t stream) {
   // 2. Gather the routed token rows (zeros for padding rows).
   if (!skip.gather) {
     sm90::GatherKernel<<<sm90::GatherCtas(a.T, E), 256, 0, stream>>>(
-        static_cast<const uint4*>(a.x), a.pos, a.rows, a.offsets, a.T, k, a.block_m,
-        static_cast<int>(a.H / 8), static_cast<uint4*>(a.xs), nullptr, 0);
+        static_cast<const __nv_bfloat16*>(a.x), a.pos, a.rows, a.offsets, a.T, k, a.block_m,
+        static_cast<int>(a.H), static_cast<__nv_bfloat16*>(a.xs), nullptr, 0);
   }
   // 3. Expert MLPs, routed and shared (one group of T rows read straight from x), in one
   // launch: gu (unless null: not kept) and h = silu(g) * u, then y = h @ w_down.
