@@ -33,7 +33,7 @@ F32_RTOL = 1e-5
 # bf16 against the oracle rounded at the same points: a one-ulp flip of h, of a routed output or
 # of y (2**-8 relative) where f32 and float64 land on opposite sides of a bf16 rounding boundary.
 BF16_RTOL = 1e-2
-# bf16 gradients: the backward also rounds w * dy, dg, du and each route's dx to bf16, and every
+# bf16 gradients: the backward also rounds dg, du, w h and each route's dx to bf16, and every
 # gradient once at the end; the oracle's backward is not rounded (worst seen over seeds: 1.0e-2,
 # in dw_down).
 BF16_GRAD_RTOL = 3e-2

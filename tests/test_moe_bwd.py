@@ -64,6 +64,18 @@ def test_check_grads(backend, Is):
               rtol=CHECK_GRADS_TOL, eps=CHECK_GRADS_EPS)
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_zero_route_weights(backend):
+  """A route of weight 0 (dropped or masked) adds nothing to y, and its weight's gradient is
+  still <dy, its expert's output>: the backward sums <dy @ w_down^T, h> before it scales by the
+  weight, and never divides by it."""
+  case = make_case(T=24, H=16, I=8, E=4, k=2, seed=5)
+  weights = np.asarray(case.weights).copy()
+  weights[::3, 0] = 0.0
+  grads = check_against_oracle(case._replace(weights=jax.numpy.asarray(weights)), backend)
+  assert np.all(np.asarray(grads["weights"])[::3, 0] != 0)
+
+
 def test_bwd_takes_the_residual_buffers():
   check_bwd_takes_residual_buffers("ffi")
 

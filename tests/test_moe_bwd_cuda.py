@@ -66,6 +66,20 @@ def test_gradients_match_oracle(T, H, I, E, k, Is, block_m):
   check_grads(expected(T, H, I, E, k, Is, seed=T + 1), block_m)
 
 
+@pytest.mark.parametrize("block_m", ops.CUDA_BLOCK_MS)
+def test_zero_route_weights(block_m):
+  """Routes of weight 0 (dropped or masked): their rows' dh, dgu and w h are zeros, and their
+  weights' gradients are still <dy, the expert's output> (test_moe_bwd.py's case, at the kernel's
+  sizes)."""
+  case = make_case(700, 128, 192, 8, 3, dtype=BF16, seed=4)
+  weights = np.asarray(case.weights).copy()
+  weights[::3, 1] = 0.0
+  case = case._replace(weights=jnp.asarray(weights))
+  want = oracle_grads_dict(oracle.moe_grads(case.dy, *case.args(), case.shared, round_to=BF16))
+  got = check_grads((case, want, loss_and_grads(case, "xla")[1]), block_m)
+  assert np.all(np.asarray(got["weights"])[::3, 1] != 0)
+
+
 @pytest.mark.parametrize("name,block_m", per_block_m(("one_expert", "empty_experts",
                                                       "out_of_range")))
 def test_adversarial_routing(name, block_m):
