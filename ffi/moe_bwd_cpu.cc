@@ -94,10 +94,6 @@ void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
   float* dweights = out.dweights.reinterpret_data<float>();
   float* dw_parts = out.dw_parts.reinterpret_data<float>();
   const int64_t parts = DwPartCols(I);
-  // The weight of each routed row's route (0 for padding rows).
-  std::vector<float> row_w(d.R, 0.0f);
-  for (int64_t r = 0; r < d.R; ++r)
-    if (rows[r] >= 0) row_w[r] = weights[rows[r]];
 
   S* h_rec = out.h.reinterpret_data<S>();
   // Padding rows hold zeros, so that any reduction over a padded tile sees nothing.
@@ -127,7 +123,7 @@ void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
       }
       const S* gu_row = gu + r * 2 * I;
       const S* dyr_row = dy_r + r * H;
-      const float w = row_w[r];
+      const float w = weights[rows[r]];  // the weight of the row's route
       std::fill(dw_parts + r * parts, dw_parts + (r + 1) * parts, 0.0f);
       for (int64_t i = 0; i < I; ++i) {
         float g = Load(gu_row[i]), u = Load(gu_row[I + i]);
