@@ -1,0 +1,74 @@
+"""`jax.vmap` over `mok_jax.moe` with the FFI targets (README, Usage): each batch element is a
+call of its own (`vmap_method="sequential"`), so it gives the bits of the unbatched call, and
+under `grad` each element's weight gradients are its own until JAX sums them."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mok_jax
+from cases import BF16, F32, GRAD_RTOL, assert_close, bits, make_case
+
+B = 3
+
+
+def batch(dtype):
+  """B cases of one shape that share the expert weights (and a shared expert): x, experts,
+  weights and dy stacked on a leading axis; the weights of the first case."""
+  cases = [make_case(T=20, H=16, I=8, E=4, k=2, Is=8, dtype=dtype, seed=s) for s in range(B)]
+  stack = lambda name: jnp.stack([jnp.asarray(getattr(c, name)) for c in cases])
+  return cases[0], stack("x"), stack("experts"), stack("weights"), stack("dy")
+
+
+def loss(x, experts, weights, w_gate, w_up, w_down, shared, dy):
+  y = mok_jax.moe(x, experts, weights, w_gate, w_up, w_down, shared=shared, backend="ffi")
+  return jnp.sum(y.astype(jnp.float32) * dy)
+
+
+ARGNUMS = (0, 2, 3, 4, 5, 6)  # x, weights, w_gate, w_up, w_down, shared
+EACH = (0, 0, 0, None, None, None, None, 0)  # the batched arguments of `loss`
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+def test_vmap_gives_each_elements_bits(dtype):
+  c, xs, es, ws, _ = batch(dtype)
+  f = lambda x, e, w: mok_jax.moe(x, e, w, c.w_gate, c.w_up, c.w_down, shared=c.shared,
+                                  backend="ffi")
+  ys = jax.jit(jax.vmap(f))(xs, es, ws)
+  assert ys.shape == xs.shape
+  for b in range(B):
+    assert bits(ys[b]) == bits(f(xs[b], es[b], ws[b])), f"element {b}"
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+def test_per_element_gradients_under_vmap(dtype):
+  """vmap(grad): every gradient, weight gradients included, is each element's own."""
+  c, xs, es, ws, dys = batch(dtype)
+  g = jax.grad(loss, argnums=ARGNUMS)
+  batched = jax.jit(jax.vmap(g, in_axes=EACH))(xs, es, ws, c.w_gate, c.w_up, c.w_down,
+                                               c.shared, dys)
+  for b in range(B):
+    own = g(xs[b], es[b], ws[b], c.w_gate, c.w_up, c.w_down, c.shared, dys[b])
+    got = jax.tree.map(lambda a: a[b], batched)
+    assert [bits(a) for a in jax.tree.leaves(got)] == [bits(a) for a in jax.tree.leaves(own)]
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+def test_gradients_of_a_vmapped_loss(dtype):
+  """grad(vmap): x's and the route weights' gradients are each element's bits; the expert
+  weights' are the sum of the elements' (each rounded to the dtype first, then summed by JAX)."""
+  c, xs, es, ws, dys = batch(dtype)
+  total = lambda *a: jnp.sum(jax.vmap(loss, in_axes=EACH)(*a))
+  got = jax.jit(jax.grad(total, argnums=ARGNUMS))(xs, es, ws, c.w_gate, c.w_up, c.w_down,
+                                                  c.shared, dys)
+  own = [jax.grad(loss, argnums=ARGNUMS)(xs[b], es[b], ws[b], c.w_gate, c.w_up, c.w_down,
+                                         c.shared, dys[b]) for b in range(B)]
+  for b in range(B):
+    assert bits(got[0][b]) == bits(own[b][0]), f"dx of element {b}"
+    assert bits(got[1][b]) == bits(own[b][1]), f"dweights of element {b}"
+  summed = jax.tree.map(lambda *g: np.sum([np.asarray(a, np.float64) for a in g], axis=0),
+                        *[o[2:] for o in own])
+  for name, a, e in zip(("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down"),
+                        jax.tree.leaves(got[2:]), jax.tree.leaves(summed)):
+    assert_close(a, e, GRAD_RTOL[dtype], f"d{name}")
