@@ -1,6 +1,7 @@
 """`jax.vmap` over `mok_jax.moe` with the FFI targets (README, Usage): each batch element is a
 call of its own (`vmap_method="sequential"`), so it gives the bits of the unbatched call, and
-under `grad` each element's weight gradients are its own until JAX sums them."""
+under `grad` each element's weight gradients are its own until JAX sums them. The CPU targets
+run in CI; the CUDA target's cases are marked `gpu`."""
 
 import jax
 import jax.numpy as jnp
@@ -12,40 +13,45 @@ from cases import BF16, F32, GRAD_RTOL, assert_close, bits, make_case
 
 B = 3
 
+# (backend, dtype): the CUDA target takes bf16 only.
+TARGETS = [("ffi", F32), ("ffi", BF16), pytest.param("cuda", BF16, marks=pytest.mark.gpu)]
+
 
 def batch(dtype):
   """B cases of one shape that share the expert weights (and a shared expert): x, experts,
   weights and dy stacked on a leading axis; the weights of the first case."""
-  cases = [make_case(T=20, H=16, I=8, E=4, k=2, Is=8, dtype=dtype, seed=s) for s in range(B)]
+  cases = [make_case(T=20, H=64, I=64, E=4, k=2, Is=64, dtype=dtype, seed=s) for s in range(B)]
   stack = lambda name: jnp.stack([jnp.asarray(getattr(c, name)) for c in cases])
   return cases[0], stack("x"), stack("experts"), stack("weights"), stack("dy")
 
 
-def loss(x, experts, weights, w_gate, w_up, w_down, shared, dy):
-  y = mok_jax.moe(x, experts, weights, w_gate, w_up, w_down, shared=shared, backend="ffi")
-  return jnp.sum(y.astype(jnp.float32) * dy)
+def loss_of(backend):
+  def loss(x, experts, weights, w_gate, w_up, w_down, shared, dy):
+    y = mok_jax.moe(x, experts, weights, w_gate, w_up, w_down, shared=shared, backend=backend)
+    return jnp.sum(y.astype(jnp.float32) * dy)
+  return loss
 
 
 ARGNUMS = (0, 2, 3, 4, 5, 6)  # x, weights, w_gate, w_up, w_down, shared
 EACH = (0, 0, 0, None, None, None, None, 0)  # the batched arguments of `loss`
 
 
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
-def test_vmap_gives_each_elements_bits(dtype):
+@pytest.mark.parametrize("backend,dtype", TARGETS, ids=str)
+def test_vmap_gives_each_elements_bits(backend, dtype):
   c, xs, es, ws, _ = batch(dtype)
   f = lambda x, e, w: mok_jax.moe(x, e, w, c.w_gate, c.w_up, c.w_down, shared=c.shared,
-                                  backend="ffi")
+                                  backend=backend)
   ys = jax.jit(jax.vmap(f))(xs, es, ws)
   assert ys.shape == xs.shape
   for b in range(B):
     assert bits(ys[b]) == bits(f(xs[b], es[b], ws[b])), f"element {b}"
 
 
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
-def test_per_element_gradients_under_vmap(dtype):
+@pytest.mark.parametrize("backend,dtype", TARGETS, ids=str)
+def test_per_element_gradients_under_vmap(backend, dtype):
   """vmap(grad): every gradient, weight gradients included, is each element's own."""
   c, xs, es, ws, dys = batch(dtype)
-  g = jax.grad(loss, argnums=ARGNUMS)
+  g = jax.grad(loss_of(backend), argnums=ARGNUMS)
   batched = jax.jit(jax.vmap(g, in_axes=EACH))(xs, es, ws, c.w_gate, c.w_up, c.w_down,
                                                c.shared, dys)
   for b in range(B):
@@ -54,11 +60,12 @@ def test_per_element_gradients_under_vmap(dtype):
     assert [bits(a) for a in jax.tree.leaves(got)] == [bits(a) for a in jax.tree.leaves(own)]
 
 
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
-def test_gradients_of_a_vmapped_loss(dtype):
+@pytest.mark.parametrize("backend,dtype", TARGETS, ids=str)
+def test_gradients_of_a_vmapped_loss(backend, dtype):
   """grad(vmap): x's and the route weights' gradients are each element's bits; the expert
   weights' are the sum of the elements' (each rounded to the dtype first, then summed by JAX)."""
   c, xs, es, ws, dys = batch(dtype)
+  loss = loss_of(backend)
   total = lambda *a: jnp.sum(jax.vmap(loss, in_axes=EACH)(*a))
   got = jax.jit(jax.grad(total, argnums=ARGNUMS))(xs, es, ws, c.w_gate, c.w_up, c.w_down,
                                                   c.shared, dys)

@@ -65,9 +65,9 @@ done
 tests=${TESTS:-}
 for v in ${tests//,/ }; do
   (cd tests && PYTHONPATH=/tmp/ab/$v:$PYTHONPATH timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q \
-     -p no:cacheprovider --timeout=200 test_moe_fwd_cuda.py test_moe_bwd_cuda.py \
-     test_recompute_cuda.py test_train_lm_gpu.py test_sanitizer_cuda.py \
-     test_expert_parallel_gpu.py > $logs/tests_$v.log 2>&1)
+     -p no:cacheprovider --timeout=200 -m "gpu or multigpu" test_moe_fwd_cuda.py \
+     test_moe_bwd_cuda.py test_recompute_cuda.py test_train_lm_gpu.py test_sanitizer_cuda.py \
+     test_expert_parallel_gpu.py test_vmap.py > $logs/tests_$v.log 2>&1)
   echo "$v tests: $(tail -1 $logs/tests_$v.log)" | tee -a $OUT/ab.log
 done
 for f in $logs/*; do echo "=== $(basename $f)"; cat $f; done > $OUT/ab_logs.txt
