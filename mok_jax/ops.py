@@ -39,6 +39,7 @@ CUDA_DTYPE = jnp.dtype(jnp.bfloat16)
 CUDA_MAX_EXPERTS = 512
 CUDA_DIM_MULTIPLE = 64
 CUDA_BLOCK_MS = (64, 128)  # the kernel's tiles are 128 rows; 64 adds half tiles
+CUDA_COMPUTE_CAPABILITY = "9.0"  # the kernels are sm_90a code: Hopper only
 
 
 class MoeDims(NamedTuple):
@@ -149,6 +150,9 @@ def cuda_unsupported_reason(platform, dtype, dims: MoeDims, config) -> str | Non
   if _mok_cuda is None:
     return ("mok_jax was installed without its CUDA module (no CUDA compiler found at build "
             "time, or MOK_CUDA=OFF)")
+  device_problem = cuda_device_problem(jax.local_devices())
+  if device_problem:
+    return device_problem
   if jnp.dtype(dtype) != CUDA_DTYPE:
     return f"the CUDA kernel takes {CUDA_DTYPE} tokens and weights, got {jnp.dtype(dtype)}"
   m = CUDA_DIM_MULTIPLE
@@ -158,6 +162,17 @@ def cuda_unsupported_reason(platform, dtype, dims: MoeDims, config) -> str | Non
     return f"the CUDA kernel holds at most {CUDA_MAX_EXPERTS} experts per GPU, got {dims.E}"
   if config.block_m not in CUDA_BLOCK_MS:
     return f"the CUDA kernel needs Config.block_m in {CUDA_BLOCK_MS}, got {config.block_m}"
+  return None
+
+
+def cuda_device_problem(devices) -> str | None:
+  """Why the CUDA kernel cannot run on these GPUs (JAX devices of platform "gpu"), or None."""
+  for d in devices:
+    capability = getattr(d, "compute_capability", None)
+    if capability != CUDA_COMPUTE_CAPABILITY:
+      which = f" (compute capability {capability})" if capability else ""
+      return (f"the CUDA kernel runs on Hopper GPUs (compute capability "
+              f"{CUDA_COMPUTE_CAPABILITY}), not on {d.device_kind}{which}")
   return None
 
 

@@ -163,6 +163,7 @@ def test_gradients_through_cuda_forward():
 
 
 def test_auto_picks_cuda_for_bf16():
+  assert ops.cuda_device_problem(jax.local_devices()) is None  # a Hopper
   dims = ops.MoeDims(T=8, H=64, I=64, E=4, k=2, Is=0)
   assert ops.cuda_unsupported_reason("gpu", BF16, dims, mok_jax.Config()) is None
   assert "divisible by 64" in ops.cuda_unsupported_reason(

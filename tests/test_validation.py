@@ -2,6 +2,7 @@
 whose message names the argument (and the shapes)."""
 
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import mok_jax
+from mok_jax import ops
 
 T, H, I, E, K, IS = 4, 8, 6, 3, 2, 5
 f32, bf16 = jnp.float32, jnp.bfloat16
@@ -118,6 +120,22 @@ def test_bad_moe_options(kwargs, match):
 def test_bad_config_block_m(block_m):
   with pytest.raises(ValueError, match=r"Config.block_m must be a power of two in \[1, 256\]"):
     mok_jax.Config(block_m=block_m)
+
+
+def gpu(kind, capability):
+  """A stand-in for a JAX GPU device: what ops.cuda_device_problem reads of one."""
+  return types.SimpleNamespace(device_kind=kind, compute_capability=capability)
+
+
+def test_cuda_kernel_only_on_hopper():
+  h200, b200, a100 = gpu("NVIDIA H200", "9.0"), gpu("NVIDIA B200", "10.0"), gpu("A100", "8.0")
+  assert ops.cuda_device_problem([h200, gpu("NVIDIA H100 80GB HBM3", "9.0")]) is None
+  assert ops.cuda_device_problem([b200]) == (
+      "the CUDA kernel runs on Hopper GPUs (compute capability 9.0), not on NVIDIA B200 "
+      "(compute capability 10.0)")
+  assert "not on A100 (compute capability 8.0)" in ops.cuda_device_problem([h200, a100])
+  rocm = types.SimpleNamespace(device_kind="AMD Instinct MI300X")  # no compute_capability
+  assert ops.cuda_device_problem([rocm]).endswith("not on AMD Instinct MI300X")
 
 
 def test_config_is_frozen_and_hashable():

@@ -8,6 +8,13 @@
 
 #include <cute/tensor.hpp>
 
+// The kernels are sm_90a code (wgmma, TMA, setmaxnreg). Built for another target they compile
+// without complaint, CuTe's wgmma atoms turning into no-ops, and run without their MMAs: stop
+// such a build here (nvcc defines the macro for compute_90a only).
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "mok_jax's CUDA kernels are sm_90a code: build them with MOK_CUDA_ARCHS=90a"
+#endif
+
 namespace mok::sm90 {
 
 struct GemmConfig {
