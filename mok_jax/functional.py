@@ -1,6 +1,7 @@
 """The public operations: `route` and `moe` (the custom-VJP composition of the FFI targets).
 
-`moe` validates its arguments at trace time, picks a backend, and, under `shard_map` with
+`moe` validates its arguments at trace time, picks a backend, runs explicitly sharded inputs in
+`shard_map` where their shardings place them (mok_jax.sharded), and, under `shard_map` with
 `axis_name`, runs expert parallelism: every rank gathers the tokens and routes of the group,
 computes what its own experts contribute, and the partial outputs are reduce-scattered back to
 the tokens' home ranks. Every backend does this the same way; no capacity factor is involved.
@@ -14,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mok_jax import ops, reference
+from mok_jax import ops, reference, sharded
 from mok_jax.config import Config
 
 BACKENDS = ("auto", "xla", "ffi", "cuda")
@@ -102,7 +103,10 @@ def moe(x, experts, weights, w_gate, w_up, w_down, *, shared=None, axis_name=Non
     w_gate, w_up: (E_local, H, I); w_down: (E_local, I, H); dtype of x.
     shared: None or (ws_gate (H, Is), ws_up (H, Is), ws_down (Is, H)), dtype of x.
     axis_name: None, or the `shard_map` axis over which experts are sharded: with P ranks,
-      E = P * E_local and global expert e lives on rank e // E_local.
+      E = P * E_local and global expert e lives on rank e // E_local. Without it, inputs with
+      explicit shardings (AxisType.Explicit) place the layer themselves: tokens split over
+      mesh axes stay where they are, expert stacks split over one axis run expert parallelism
+      over it (mok_jax.sharded), and y is sharded as x.
     config: `mok_jax.Config` knobs for the FFI backends (default: `Config()`).
     backend: "auto" (the CUDA kernel where device, dtype and shapes allow it, else "xla"),
       "xla" (pure JAX, any device), "ffi" (this project's FFI targets: the C++ reference on CPU,
@@ -126,6 +130,11 @@ def moe(x, experts, weights, w_gate, w_up, w_down, *, shared=None, axis_name=Non
   if dims.k > E:
     raise ValueError(f"moe: top_k = experts.shape[1] = {dims.k} exceeds the number of experts "
                      f"E = {E} ({n_ranks} rank(s) x {dims.E} local)")
+  if axis_name is None:
+    where = sharded.placement(x, experts, weights, w_gate, w_up, w_down, shared)
+    if where is not None:
+      layer = functools.partial(moe, config=config, backend=backend)
+      return sharded.sharded_moe(layer, x, experts, weights, w_gate, w_up, w_down, shared, where)
   impl = _local_impl(backend, x.dtype, dims, config, int(n_ranks))
   weights = weights.astype(jnp.float32)
   if axis_name is None:

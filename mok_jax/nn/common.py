@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import mok_jax
+from mok_jax import sharded
 from mok_jax.config import Config
 from mok_jax.functional import BACKENDS, SCORES
 
@@ -318,37 +318,7 @@ def moe(opts: MoEOptions, x, experts, weights, w_gate, w_up, w_down, shared):
 
 @functools.partial(jax.jit, static_argnums=0)
 def _sharded_moe(opts: MoEOptions, x, experts, weights, w_gate, w_up, w_down, shared):
-  """Expert parallelism: tokens split over opts.token_axes, experts over opts.expert_axis.
-
-  T need not divide by the number of token shards: the tail is padded with tokens routed to
-  id -1 (which contribute nothing) and cut off again. Jitted so that eager calls work too.
-  """
-  mesh, axis = opts.mesh, opts.expert_axis
-  tok, ex, rep = PartitionSpec(opts.token_axes), PartitionSpec(axis), PartitionSpec()
-  T = x.shape[0]
-  pad = -T % math.prod(mesh.shape[a] for a in opts.token_axes)
-  x_spec = jax.typeof(x).sharding.spec
-  if pad:
-    x = jnp.pad(x, ((0, pad), (0, 0)))
-    experts = jnp.pad(experts, ((0, pad), (0, 0)), constant_values=-1)
-    weights = jnp.pad(weights, ((0, pad), (0, 0)))
-  args = [x, experts, weights, w_gate, w_up, w_down]
-  specs = [tok, tok, tok, ex, ex, ex]
-  if shared is not None:
-    args += list(shared)
-    specs += [rep, rep, rep]
-  # shard_map reshards Auto-axis inputs itself; Explicit-axis inputs must arrive as in_specs.
-  explicit = _axis_type(mesh, axis) == AxisType.Explicit
-  if explicit:
-    args = [jax.sharding.reshard(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
-
-  def local(x, experts, weights, w_gate, w_up, w_down, *shared):
-    return mok_jax.moe(x, experts, weights, w_gate, w_up, w_down, shared=shared or None,
-                       axis_name=axis, config=opts.config, backend=opts.backend)
-
-  y = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=tok)(*args)
-  if pad:
-    if explicit:
-      y = jax.sharding.reshard(y, NamedSharding(mesh, x_spec))
-    y = y[:T]
-  return y
+  """Expert parallelism over the options' mesh (jitted so that eager calls work too)."""
+  layer = functools.partial(mok_jax.moe, config=opts.config, backend=opts.backend)
+  where = sharded.Placement(opts.mesh, opts.token_axes, opts.expert_axis)
+  return sharded.sharded_moe(layer, x, experts, weights, w_gate, w_up, w_down, shared, where)

@@ -1,0 +1,117 @@
+"""`mok_jax.moe` over a mesh: tokens split over some axes, experts optionally over one more.
+
+`placement` reads it off the inputs' explicit shardings (`jax.typeof(a).sharding`, meshes with
+`AxisType.Explicit` axes); the Flax and Equinox layers name it in their options. `sharded_moe`
+then runs the layer in `jax.shard_map`: every token shard computes its own tokens, so data
+parallelism needs no communication in the forward, and with an expert axis the layer's own
+expert parallelism (`moe(..., axis_name=...)`) moves the routed tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+
+class Placement(NamedTuple):
+  mesh: object  # jax.sharding.Mesh or AbstractMesh
+  token_axes: tuple[str, ...]  # the axes that split the tokens, expert_axis among them if set
+  expert_axis: str | None  # the axis that splits the experts, or None: replicated experts
+
+
+def _axes(entry) -> tuple[str, ...]:
+  """The mesh axes of one PartitionSpec entry."""
+  if entry is None:
+    return ()
+  return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _spec(a) -> tuple[tuple[str, ...], ...]:
+  """The axes of each dimension of a's explicit sharding (none under Auto axes or shard_map)."""
+  sharding = getattr(jax.typeof(a), "sharding", None)
+  if not isinstance(sharding, NamedSharding):
+    return ((),) * jnp.ndim(a)
+  spec = tuple(sharding.spec) + (None,) * (jnp.ndim(a) - len(sharding.spec))
+  return tuple(_axes(s) for s in spec)
+
+
+def placement(x, experts, weights, w_gate, w_up, w_down, shared) -> Placement | None:
+  """Where `mok_jax.moe`'s inputs say the layer runs, or None when nothing is sharded.
+
+  Tokens (x's first dimension) may be split over any axes; the expert stacks over one axis on
+  their first dimension, which then splits the tokens too. The per-token routing follows x.
+  Anything else (x's H, the weights' H or I, the shared expert) sharded is an error: the layer
+  would have to gather it, which explicit sharding leaves to the caller.
+  """
+  arrays = {"x": x, "experts": experts, "weights": weights, "w_gate": w_gate, "w_up": w_up,
+            "w_down": w_down}
+  if shared is not None:
+    arrays.update(ws_gate=shared[0], ws_up=shared[1], ws_down=shared[2])
+  specs = {name: _spec(a) for name, a in arrays.items()}
+  sharded = [name for name, spec in specs.items() if any(spec)]
+  if not sharded:
+    return None
+  for name in sharded:
+    spec = specs[name]
+    split_first = not name.startswith("ws_")  # tokens or experts
+    if any(spec[1:] if split_first else spec):
+      where = "its first dimension" if split_first else "no dimension"
+      shown = jax.typeof(arrays[name]).sharding.spec
+      raise ValueError(f"moe: {name} is sharded as {shown}; only {where} may be split over mesh "
+                       "axes (tokens for x, experts and weights; experts for the expert "
+                       "stacks). Reshard it first (jax.sharding.reshard).")
+  token_axes = specs["x"][0]
+  expert_axes = {specs[n][0] for n in ("w_gate", "w_up", "w_down")}
+  if len(expert_axes) > 1:
+    raise ValueError(f"moe: w_gate, w_up and w_down split their experts over different axes "
+                     f"{sorted(expert_axes)}; split all three the same way")
+  (expert,) = expert_axes
+  if len(expert) > 1:
+    raise ValueError(f"moe: the experts are split over several mesh axes {expert}; expert "
+                     "parallelism takes one axis")
+  expert_axis = expert[0] if expert else None
+  if expert_axis is not None and expert_axis not in token_axes:
+    token_axes = (*token_axes, expert_axis)
+  mesh = jax.typeof(arrays[sharded[0]]).sharding.mesh
+  return Placement(mesh, token_axes, expert_axis)
+
+
+def sharded_moe(layer, x, experts, weights, w_gate, w_up, w_down, shared, where: Placement):
+  """`layer` (mok_jax.moe with its options bound) in `shard_map` over `where`.
+
+  T need not divide by the number of token shards: the tail is padded with tokens routed to
+  id -1 (which contribute nothing) and cut off again. y comes back sharded as x was.
+  """
+  mesh, axis = where.mesh, where.expert_axis
+  tok, rep = PartitionSpec(where.token_axes), PartitionSpec()
+  ex = rep if axis is None else PartitionSpec(axis)
+  T = x.shape[0]
+  pad = -T % math.prod(mesh.shape[a] for a in where.token_axes)
+  x_spec, x_axes = jax.typeof(x).sharding.spec, _spec(x)[0]
+  if pad:
+    x = jnp.pad(x, ((0, pad), (0, 0)))
+    experts = jnp.pad(experts, ((0, pad), (0, 0)), constant_values=-1)
+    weights = jnp.pad(weights, ((0, pad), (0, 0)))
+  args = [x, experts, weights, w_gate, w_up, w_down]
+  specs = [tok, tok, tok, ex, ex, ex]
+  if shared is not None:
+    args += list(shared)
+    specs += [rep, rep, rep]
+  # shard_map reshards Auto-axis inputs itself; Explicit-axis inputs must arrive as in_specs.
+  kinds = dict(zip(mesh.axis_names, mesh.axis_types))
+  explicit = any(kinds[a] == AxisType.Explicit for a in where.token_axes)
+  if explicit:
+    args = [jax.sharding.reshard(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+
+  def local(x, experts, weights, w_gate, w_up, w_down, *shared):
+    return layer(x, experts, weights, w_gate, w_up, w_down, shared=shared or None,
+                 axis_name=axis)
+
+  y = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=tok)(*args)
+  if explicit and x_axes != where.token_axes:
+    y = jax.sharding.reshard(y, NamedSharding(mesh, x_spec))
+  return y[:T] if pad else y

@@ -1,0 +1,106 @@
+"""`mok_jax.moe` on inputs with explicit shardings (jax.sharding.AxisType.Explicit), no
+shard_map of the caller's: tokens split over mesh axes run where they are, with no gather of x
+(data parallelism), and expert stacks split over an axis run the layer's expert parallelism.
+y comes back sharded as x."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import mok_jax
+from cases import (CPU_BACKENDS, F32, GRAD_NAMES, GRAD_RTOL, RTOL, assert_close, bits,
+                   loss_and_grads, make_case)
+
+
+def explicit_mesh(shape, names):
+  return jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * len(names))
+
+
+def place(mesh, a, spec):
+  return jax.device_put(jnp.asarray(a), NamedSharding(mesh, spec))
+
+
+def put(case, mesh, x_spec, w_spec):
+  """The case's arrays placed: the per-token ones by x_spec, the expert stacks by w_spec, the
+  shared expert replicated."""
+  at = functools.partial(place, mesh)
+  return case._replace(
+      x=at(case.x, x_spec), experts=at(case.experts, x_spec), weights=at(case.weights, x_spec),
+      w_gate=at(case.w_gate, w_spec), w_up=at(case.w_up, w_spec), w_down=at(case.w_down, w_spec),
+      shared=tuple(at(a, P()) for a in case.shared), dy=at(case.dy, x_spec))
+
+
+def forward_and_grads(case, backend):
+  """jit of y and the gradients of sum(dy * y) w.r.t. x, weights and every weight tensor."""
+
+  def loss(x, experts, weights, w_gate, w_up, w_down, shared, dy):
+    y = mok_jax.moe(x, experts, weights, w_gate, w_up, w_down, shared=shared, backend=backend)
+    return jnp.sum(y.astype(jnp.float32) * dy), y
+
+  f = jax.jit(jax.value_and_grad(loss, argnums=(0, 2, 3, 4, 5, 6), has_aux=True))
+  args = (case.x, case.experts, case.weights, case.w_gate, case.w_up, case.w_down, case.shared,
+          case.dy)
+  (_, y), grads = f(*args)
+  named = dict(zip(GRAD_NAMES, (*grads[:5], *grads[5])))
+  return y, named, f.lower(*args).compile().as_text()
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_data_parallel_tokens_stay_where_they_are(backend):
+  case = make_case(T=32, H=16, I=8, E=4, k=2, Is=8, dtype=F32, seed=3)
+  mesh = explicit_mesh((8,), ("data",))
+  y, grads, hlo = forward_and_grads(put(case, mesh, P("data"), P()), backend)
+  assert "all-gather" not in hlo, "x or its routes were gathered"
+  assert y.sharding.spec[0] == "data"
+  want_y, want = loss_and_grads(case, backend)
+  if backend == "ffi":  # each token's output and input gradients come from its rows alone
+    assert bits(y) == bits(want_y)
+    assert bits(grads["x"]) == bits(want["x"])
+    assert bits(grads["weights"]) == bits(want["weights"])
+  assert_close(y, want_y, RTOL[F32], "y")
+  for name in GRAD_NAMES:  # weight gradients: the shards' partial sums, summed across them
+    assert_close(grads[name], want[name], GRAD_RTOL[F32], f"d{name}")
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_expert_stacks_split_over_an_axis(backend):
+  """Experts over "expert", tokens over "data" only: the layer splits the tokens over both
+  (20 tokens over 8 shards: padded) and hands y back split as x was."""
+  case = make_case(T=20, H=16, I=8, E=4, k=2, Is=8, dtype=F32, seed=4)
+  mesh = explicit_mesh((4, 2), ("data", "expert"))
+  y, grads, _ = forward_and_grads(put(case, mesh, P("data"), P("expert")), backend)
+  assert y.shape == case.x.shape and y.sharding.spec[0] == "data"
+  want_y, want = loss_and_grads(case, backend)
+  assert_close(y, want_y, RTOL[F32], "y")
+  for name in GRAD_NAMES:
+    assert_close(grads[name], want[name], GRAD_RTOL[F32], f"d{name}")
+
+
+@pytest.mark.parametrize("x_spec,w_spec,shared_spec,match", [
+    (P(None, "data"), P(), P(), "x is sharded as"),
+    (P("data"), P(None, None, "data"), P(), "w_gate is sharded as"),
+    (P("data"), P(), P("data"), "ws_gate is sharded as"),
+    (P("data"), P(("data", "expert")), P(), "over several mesh axes"),
+])
+def test_shardings_the_layer_would_have_to_gather(x_spec, w_spec, shared_spec, match):
+  case = make_case(T=32, H=16, I=8, E=8, k=2, Is=8, dtype=F32)
+  mesh = explicit_mesh((4, 2), ("data", "expert"))
+  placed = put(case, mesh, P("data"), w_spec)._replace(
+      x=place(mesh, case.x, x_spec),
+      shared=tuple(place(mesh, a, shared_spec) for a in case.shared))
+  with pytest.raises(ValueError, match=match):
+    forward_and_grads(placed, "ffi")
+
+
+def test_expert_stacks_split_differently():
+  case = make_case(T=32, H=16, I=8, E=8, k=2, dtype=F32)
+  mesh = explicit_mesh((4, 2), ("data", "expert"))
+  specs = (P("data"), P("data"), P("data"), P("expert"), P("data"), P("expert"))
+  x, experts, weights, w_gate, w_up, w_down = map(functools.partial(place, mesh), case.args(),
+                                                  specs)
+  with pytest.raises(ValueError, match="split their experts over different axes"):
+    jax.jit(mok_jax.moe)(x, experts, weights, w_gate, w_up, w_down)
