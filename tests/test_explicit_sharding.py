@@ -66,14 +66,18 @@ def test_data_parallel_tokens_stay_where_they_are(backend):
     assert_close(grads[name], want[name], GRAD_RTOL[F32], f"d{name}")
 
 
+@pytest.mark.parametrize("shape,names,x_spec,T", [
+    ((4, 2), ("data", "expert"), P("data"), 20),  # tokens over both, 20 padded to 24
+    ((8,), ("ep",), P("ep"), 32),  # tokens and experts over the same axis
+])
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_expert_stacks_split_over_an_axis(backend):
-  """Experts over "expert", tokens over "data" only: the layer splits the tokens over both
-  (20 tokens over 8 shards: padded) and hands y back split as x was."""
-  case = make_case(T=20, H=16, I=8, E=4, k=2, Is=8, dtype=F32, seed=4)
-  mesh = explicit_mesh((4, 2), ("data", "expert"))
-  y, grads, _ = forward_and_grads(put(case, mesh, P("data"), P("expert")), backend)
-  assert y.shape == case.x.shape and y.sharding.spec[0] == "data"
+def test_expert_stacks_split_over_an_axis(backend, shape, names, x_spec, T):
+  """Experts over the last axis: the layer splits the tokens over it too (where x is not) and
+  hands y back split as x was."""
+  case = make_case(T=T, H=16, I=8, E=8, k=2, Is=8, dtype=F32, seed=4)
+  mesh = explicit_mesh(shape, names)
+  y, grads, _ = forward_and_grads(put(case, mesh, x_spec, P(names[-1])), backend)
+  assert y.shape == case.x.shape and y.sharding.spec[0] == x_spec[0]
   want_y, want = loss_and_grads(case, backend)
   assert_close(y, want_y, RTOL[F32], "y")
   for name in GRAD_NAMES:
