@@ -242,13 +242,41 @@ def _vary(tree, axes):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _moe_ffi_vjp(out_dtype, config, ranks, x, experts, weights, w_gate, w_up, w_down, shared):
-  # The primal, run when nothing is differentiated (inference): no backward will read the
-  # residuals, so the forward runs in recompute mode whatever config.recompute says, keeping no
-  # gu and writing none. y has the same bits in both modes (h comes from the f32 accumulators,
-  # not from the rounded gu).
-  y, _ = _moe_ffi_call(out_dtype, config.block_m, True, ranks, x, experts, weights, w_gate,
-                       w_up, w_down, shared)
-  return y
+  return _moe_ffi_infer(out_dtype, config, ranks)(x, experts, weights, w_gate, w_up, w_down,
+                                                  shared)
+
+
+def _moe_ffi_infer(out_dtype, config, ranks):
+  """The primal, run when nothing is differentiated (inference).
+
+  No backward will read the residuals, so the forward runs in recompute mode whatever
+  config.recompute says, keeping no gu and writing none. y has the same bits in both modes (h
+  comes from the f32 accumulators, not from the rounded gu). Under vmap with the weights
+  unbatched, the batch goes into the token dimension: one call, each token's bits as alone.
+  (Differentiated, the forward and backward run each element as a call of its own: their
+  residuals and weight gradients are each element's.)
+  """
+
+  @jax.custom_batching.custom_vmap
+  def infer(x, experts, weights, w_gate, w_up, w_down, shared):
+    y, _ = _moe_ffi_call(out_dtype, config.block_m, True, ranks, x, experts, weights, w_gate,
+                         w_up, w_down, shared)
+    return y
+
+  @infer.def_vmap
+  def fold_batch(size, batched, *args):
+    if any(jax.tree.leaves(batched[3:])):  # a batch of weights: a call per element
+      def element(i):
+        return infer(*(jax.tree.map(lambda v, b: v[i] if b else v, a, b)
+                       for a, b in zip(args, batched)))
+      return jax.lax.map(element, jnp.arange(size)), True
+    x, experts, weights = (a if b else jnp.broadcast_to(a, (size, *a.shape))
+                           for a, b in zip(args[:3], batched[:3]))
+    flat = (a.reshape(-1, a.shape[-1]) for a in (x, experts, weights))
+    y = infer(*flat, *args[3:])
+    return y.reshape(*x.shape[:-1], y.shape[-1]), True
+
+  return infer
 
 
 def _moe_ffi_call(out_dtype, block_m, recompute, ranks, x, experts, weights, w_gate, w_up,

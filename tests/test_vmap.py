@@ -1,7 +1,8 @@
-"""`jax.vmap` over `mok_jax.moe` with the FFI targets (README, Usage): each batch element is a
-call of its own (`vmap_method="sequential"`), so it gives the bits of the unbatched call, and
-under `grad` each element's weight gradients are its own until JAX sums them. The CPU targets
-run in CI; the CUDA target's cases are marked `gpu`."""
+"""`jax.vmap` over `mok_jax.moe` with the FFI targets (README, Usage). Not differentiated, the
+batch goes into the token dimension (one call) and each element gets the bits of its own call;
+differentiated, each element is a call of its own (`vmap_method="sequential"`) and its weight
+gradients are its own until JAX sums them. The CPU targets run in CI; the CUDA target's cases
+are marked `gpu`."""
 
 import jax
 import jax.numpy as jnp
@@ -37,14 +38,30 @@ EACH = (0, 0, 0, None, None, None, None, 0)  # the batched arguments of `loss`
 
 
 @pytest.mark.parametrize("backend,dtype", TARGETS, ids=str)
-def test_vmap_gives_each_elements_bits(backend, dtype):
+def test_vmap_gives_each_elements_bits_in_one_call(backend, dtype):
   c, xs, es, ws, _ = batch(dtype)
   f = lambda x, e, w: mok_jax.moe(x, e, w, c.w_gate, c.w_up, c.w_down, shared=c.shared,
                                   backend=backend)
-  ys = jax.jit(jax.vmap(f))(xs, es, ws)
+  batched = jax.jit(jax.vmap(f))
+  program = batched.lower(xs, es, ws).as_text()
+  assert program.count("@mok_moe_fwd") == 1 and "while" not in program, "not one call"
+  ys = batched(xs, es, ws)
   assert ys.shape == xs.shape
   for b in range(B):
     assert bits(ys[b]) == bits(f(xs[b], es[b], ws[b])), f"element {b}"
+
+
+@pytest.mark.parametrize("backend,dtype", TARGETS, ids=str)
+def test_vmap_over_weights_too(backend, dtype):
+  """A batch of expert weights (each element its own experts): a call per element."""
+  c, xs, es, ws, _ = batch(dtype)
+  scale = jnp.asarray([1.0, 0.5, 2.0], dtype)[:, None, None, None]
+  w_ups = c.w_up[None] * scale
+  f = lambda x, e, w, w_up: mok_jax.moe(x, e, w, c.w_gate, w_up, c.w_down, shared=c.shared,
+                                        backend=backend)
+  ys = jax.jit(jax.vmap(f))(xs, es, ws, w_ups)
+  for b in range(B):
+    assert bits(ys[b]) == bits(f(xs[b], es[b], ws[b], w_ups[b])), f"element {b}"
 
 
 @pytest.mark.parametrize("backend,dtype", TARGETS, ids=str)

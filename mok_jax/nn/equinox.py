@@ -5,8 +5,9 @@
     y, aux = moe(x)                       # x (..., H); aux: MoEAux
     loss = task_loss + 1e-2 * aux.load_balancing_loss + 1e-3 * aux.router_z_loss
 
-Call it on the whole batch, x (B, S, H), rather than under `jax.vmap(moe)`: it puts all tokens
-through one `mok_jax.moe` call, where vmap would make one call per example (README, Usage).
+Call it on the whole batch, x (B, S, H), rather than under `jax.vmap(moe)` when training: it
+puts all tokens through one `mok_jax.moe` call, where a differentiated vmap makes one call per
+example (README, Usage).
 
 Expert parallelism: pass a `Mesh` and its expert axis. The expert stacks are placed sharded over
 that axis, `moe.partition_specs()` gives the PartitionSpec of every leaf (for `jax.device_put`,
