@@ -133,8 +133,8 @@ def moe(x, experts, weights, w_gate, w_up, w_down, *, shared=None, axis_name=Non
   if axis_name is None:
     where = sharded.placement(x, experts, weights, w_gate, w_up, w_down, shared)
     if where is not None:
-      layer = functools.partial(moe, config=config, backend=backend)
-      return sharded.sharded_moe(layer, x, experts, weights, w_gate, w_up, w_down, shared, where)
+      return _placed(x, experts, weights, w_gate, w_up, w_down, shared, where=where,
+                     config=config, backend=backend)
   impl = _local_impl(backend, x.dtype, dims, config, int(n_ranks))
   weights = weights.astype(jnp.float32)
   if axis_name is None:
@@ -151,6 +151,13 @@ def moe(x, experts, weights, w_gate, w_up, w_down, *, shared=None, axis_name=Non
   if shared is not None:
     y = y + reference.shared_mlp(x, shared)
   return y.astype(x.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("where", "config", "backend"))
+def _placed(x, experts, weights, w_gate, w_up, w_down, shared, *, where, config, backend):
+  """moe where the inputs' explicit shardings place it (jitted so that eager calls work too)."""
+  layer = functools.partial(moe, config=config, backend=backend)
+  return sharded.sharded_moe(layer, x, experts, weights, w_gate, w_up, w_down, shared, where)
 
 
 def _as_ids(experts):

@@ -74,6 +74,8 @@ def placement(x, experts, weights, w_gate, w_up, w_down, shared) -> Placement | 
     raise ValueError(f"moe: the experts are split over several mesh axes {expert}; expert "
                      "parallelism takes one axis")
   expert_axis = expert[0] if expert else None
+  if expert_axis is None and not token_axes:
+    return None  # only the routing is split: nothing to place
   if expert_axis is not None and expert_axis not in token_axes:
     token_axes = (*token_axes, expert_axis)
   mesh = jax.typeof(arrays[sharded[0]]).sharding.mesh

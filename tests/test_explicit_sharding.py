@@ -108,3 +108,11 @@ def test_expert_stacks_split_differently():
                                                   specs)
   with pytest.raises(ValueError, match="split their experts over different axes"):
     jax.jit(mok_jax.moe)(x, experts, weights, w_gate, w_up, w_down)
+
+
+def test_eager_call_places_itself_too():
+  case = make_case(T=32, H=16, I=8, E=4, k=2, Is=8, dtype=F32, seed=5)
+  placed = put(case, explicit_mesh((8,), ("data",)), P("data"), P())
+  y = mok_jax.moe(*placed.args(), shared=placed.shared, backend="ffi")
+  assert y.sharding.spec[0] == "data"
+  assert bits(y) == bits(mok_jax.moe(*case.args(), shared=case.shared, backend="ffi"))
