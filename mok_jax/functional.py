@@ -133,8 +133,8 @@ def moe(x, experts, weights, w_gate, w_up, w_down, *, shared=None, axis_name=Non
   if axis_name is None:
     where = sharded.placement(x, experts, weights, w_gate, w_up, w_down, shared)
     if where is not None:
-      return _placed(x, experts, weights, w_gate, w_up, w_down, shared, where=where,
-                     config=config, backend=backend)
+      return placed_moe(x, experts, weights, w_gate, w_up, w_down, shared, where=where,
+                        config=config, backend=backend)
   impl = _local_impl(backend, x.dtype, dims, config, int(n_ranks))
   weights = weights.astype(jnp.float32)
   if axis_name is None:
@@ -154,8 +154,8 @@ def moe(x, experts, weights, w_gate, w_up, w_down, *, shared=None, axis_name=Non
 
 
 @functools.partial(jax.jit, static_argnames=("where", "config", "backend"))
-def _placed(x, experts, weights, w_gate, w_up, w_down, shared, *, where, config, backend):
-  """moe where the inputs' explicit shardings place it (jitted so that eager calls work too)."""
+def placed_moe(x, experts, weights, w_gate, w_up, w_down, shared, *, where, config, backend):
+  """moe in shard_map over `where` (a sharded.Placement; jitted so that eager calls work too)."""
   layer = functools.partial(moe, config=config, backend=backend)
   return sharded.sharded_moe(layer, x, experts, weights, w_gate, w_up, w_down, shared, where)
 
@@ -279,8 +279,12 @@ def _moe_ffi_infer(out_dtype, config, ranks):
       return jax.lax.map(element, jnp.arange(size)), True
     x, experts, weights = (a if b else jnp.broadcast_to(a, (size, *a.shape))
                            for a, b in zip(args[:3], batched[:3]))
-    flat = (a.reshape(-1, a.shape[-1]) for a in (x, experts, weights))
-    y = infer(*flat, *args[3:])
+    flat = [a.reshape(-1, a.shape[-1]) for a in (x, experts, weights)]
+    where = sharded.placement(*flat, *args[3:])
+    if where is None:
+      y = infer(*flat, *args[3:])
+    else:  # the batch axis is split over mesh axes: its tokens stay where they are
+      y = placed_moe(*flat, *args[3:], where=where, config=config, backend="ffi")
     return y.reshape(*x.shape[:-1], y.shape[-1]), True
 
   return infer

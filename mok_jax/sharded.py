@@ -23,6 +23,10 @@ class Placement(NamedTuple):
   expert_axis: str | None  # the axis that splits the experts, or None: replicated experts
 
 
+def axis_type(mesh, name) -> AxisType:
+  return dict(zip(mesh.axis_names, mesh.axis_types))[name]
+
+
 def _axes(entry) -> tuple[str, ...]:
   """The mesh axes of one PartitionSpec entry."""
   if entry is None:
@@ -42,10 +46,10 @@ def _spec(a) -> tuple[tuple[str, ...], ...]:
 def placement(x, experts, weights, w_gate, w_up, w_down, shared) -> Placement | None:
   """Where `mok_jax.moe`'s inputs say the layer runs, or None when nothing is sharded.
 
-  Tokens (x's first dimension) may be split over any axes; the expert stacks over one axis on
-  their first dimension, which then splits the tokens too. The per-token routing follows x.
-  Anything else (x's H, the weights' H or I, the shared expert) sharded is an error: the layer
-  would have to gather it, which explicit sharding leaves to the caller.
+  Tokens may be split over any axes (x's first dimension, or the routing's where x is not
+  split); the expert stacks over one axis on their first dimension, which then splits the
+  tokens too. Anything else (x's H, the weights' H or I, the shared expert) sharded is an
+  error: the layer would have to gather it, which explicit sharding leaves to the caller.
   """
   arrays = {"x": x, "experts": experts, "weights": weights, "w_gate": w_gate, "w_up": w_up,
             "w_down": w_down}
@@ -56,15 +60,15 @@ def placement(x, experts, weights, w_gate, w_up, w_down, shared) -> Placement | 
   if not sharded:
     return None
   for name in sharded:
-    spec = specs[name]
-    split_first = not name.startswith("ws_")  # tokens or experts
-    if any(spec[1:] if split_first else spec):
-      where = "its first dimension" if split_first else "no dimension"
-      shown = jax.typeof(arrays[name]).sharding.spec
-      raise ValueError(f"moe: {name} is sharded as {shown}; only {where} may be split over mesh "
-                       "axes (tokens for x, experts and weights; experts for the expert "
-                       "stacks). Reshard it first (jax.sharding.reshard).")
-  token_axes = specs["x"][0]
+    spec, shown = specs[name], jax.typeof(arrays[name]).sharding.spec
+    if name.startswith("ws_"):
+      raise ValueError(f"moe: {name} is sharded as {shown}; the shared expert must be "
+                       "replicated. Reshard it first (jax.sharding.reshard).")
+    if any(spec[1:]):
+      raise ValueError(f"moe: {name} is sharded as {shown}; only its first dimension may be "
+                       "split over mesh axes (tokens for x, experts and weights; experts for "
+                       "the expert stacks). Reshard it first (jax.sharding.reshard).")
+  token_axes = next((specs[n][0] for n in ("x", "experts", "weights") if specs[n][0]), ())
   expert_axes = {specs[n][0] for n in ("w_gate", "w_up", "w_down")}
   if len(expert_axes) > 1:
     raise ValueError(f"moe: w_gate, w_up and w_down split their experts over different axes "
@@ -74,8 +78,6 @@ def placement(x, experts, weights, w_gate, w_up, w_down, shared) -> Placement | 
     raise ValueError(f"moe: the experts are split over several mesh axes {expert}; expert "
                      "parallelism takes one axis")
   expert_axis = expert[0] if expert else None
-  if expert_axis is None and not token_axes:
-    return None  # only the routing is split: nothing to place
   if expert_axis is not None and expert_axis not in token_axes:
     token_axes = (*token_axes, expert_axis)
   mesh = jax.typeof(arrays[sharded[0]]).sharding.mesh
@@ -93,7 +95,7 @@ def sharded_moe(layer, x, experts, weights, w_gate, w_up, w_down, shared, where:
   ex = rep if axis is None else PartitionSpec(axis)
   T = x.shape[0]
   pad = -T % math.prod(mesh.shape[a] for a in where.token_axes)
-  x_spec, x_axes = jax.typeof(x).sharding.spec, _spec(x)[0]
+  x_spec = jax.typeof(x).sharding.spec
   if pad:
     x = jnp.pad(x, ((0, pad), (0, 0)))
     experts = jnp.pad(experts, ((0, pad), (0, 0)), constant_values=-1)
@@ -104,8 +106,7 @@ def sharded_moe(layer, x, experts, weights, w_gate, w_up, w_down, shared, where:
     args += list(shared)
     specs += [rep, rep, rep]
   # shard_map reshards Auto-axis inputs itself; Explicit-axis inputs must arrive as in_specs.
-  kinds = dict(zip(mesh.axis_names, mesh.axis_types))
-  explicit = any(kinds[a] == AxisType.Explicit for a in where.token_axes)
+  explicit = any(axis_type(mesh, a) == AxisType.Explicit for a in where.token_axes)
   if explicit:
     args = [jax.sharding.reshard(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
 
@@ -114,6 +115,6 @@ def sharded_moe(layer, x, experts, weights, w_gate, w_up, w_down, shared, where:
                  axis_name=axis)
 
   y = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=tok)(*args)
-  if explicit and x_axes != where.token_axes:
+  if explicit:
     y = jax.sharding.reshard(y, NamedSharding(mesh, x_spec))
   return y[:T] if pad else y

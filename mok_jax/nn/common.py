@@ -15,7 +15,6 @@ inside `jax.shard_map`, with the expert weights split over the expert axis.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -25,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import mok_jax
 from mok_jax import sharded
 from mok_jax.config import Config
-from mok_jax.functional import BACKENDS, SCORES
+from mok_jax.functional import BACKENDS, SCORES, placed_moe
 
 COMPUTE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -166,7 +165,7 @@ class MoEOptions:
       if bad or len(set(self.data_axes)) != len(self.data_axes):
         raise ValueError(f"MoE: data_axes {self.data_axes!r} must be distinct axes of the mesh "
                          f"{dict(mesh.shape)} other than the expert axis {axis!r}")
-    kinds = {_axis_type(mesh, a) for a in self.token_axes}
+    kinds = {sharded.axis_type(mesh, a) for a in self.token_axes}
     if len(kinds) > 1:
       raise ValueError(f"MoE: the token axes {self.token_axes} mix axis types {kinds}; make "
                        "them all Auto or all Explicit")
@@ -218,10 +217,6 @@ class MoEOptions:
 
   def param_sharding(self, name: str) -> NamedSharding | None:
     return None if self.mesh is None else NamedSharding(self.mesh, self.param_spec(name))
-
-
-def _axis_type(mesh, name):
-  return dict(zip(mesh.axis_names, mesh.axis_types))[name]
 
 
 def _check_int(name, value, low):
@@ -313,12 +308,6 @@ def moe(opts: MoEOptions, x, experts, weights, w_gate, w_up, w_down, shared):
   if opts.mesh is None:
     return mok_jax.moe(x, experts, weights, w_gate, w_up, w_down, shared=shared,
                        config=opts.config, backend=opts.backend)
-  return _sharded_moe(opts, x, experts, weights, w_gate, w_up, w_down, shared)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _sharded_moe(opts: MoEOptions, x, experts, weights, w_gate, w_up, w_down, shared):
-  """Expert parallelism over the options' mesh (jitted so that eager calls work too)."""
-  layer = functools.partial(mok_jax.moe, config=opts.config, backend=opts.backend)
   where = sharded.Placement(opts.mesh, opts.token_axes, opts.expert_axis)
-  return sharded.sharded_moe(layer, x, experts, weights, w_gate, w_up, w_down, shared, where)
+  return placed_moe(x, experts, weights, w_gate, w_up, w_down, shared, where=where,
+                    config=opts.config, backend=opts.backend)
