@@ -63,11 +63,16 @@ def route(logits, top_k, *, score="softmax", renormalize=True, n_groups=None, to
                      f"n_groups={n_groups!r}, topk_groups={topk_groups!r}")
   if n_groups is not None:
     select = _limit_to_groups(select, top_k, n_groups, topk_groups)
-  _, experts = jax.lax.top_k(jax.lax.stop_gradient(select), top_k)
+  _, experts = _top_k(jax.lax.stop_gradient(select), top_k)
   weights = jnp.take_along_axis(scores, experts, axis=-1)
   if renormalize:
     weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
   return experts.astype(jnp.int32), weights
+
+
+def _top_k(v, k):
+  """jax.lax.top_k, without gathering tokens that explicit sharding splits."""
+  return sharded.rowwise(lambda a: jax.lax.top_k(a, k), v)
 
 
 def _limit_to_groups(select, top_k, n_groups, topk_groups):
@@ -82,8 +87,8 @@ def _limit_to_groups(select, top_k, n_groups, topk_groups):
     raise ValueError(f"route: top_k={top_k} exceeds the {topk_groups * size} experts of "
                      f"topk_groups={topk_groups} groups of {size}")
   grouped = select.reshape(*select.shape[:-1], n_groups, size)
-  group_score = jax.lax.top_k(grouped, min(2, size))[0].sum(axis=-1)
-  _, best = jax.lax.top_k(jax.lax.stop_gradient(group_score), topk_groups)
+  group_score = _top_k(grouped, min(2, size))[0].sum(axis=-1)
+  _, best = _top_k(jax.lax.stop_gradient(group_score), topk_groups)
   keep = jnp.any(best[..., :, None] == jnp.arange(n_groups), axis=-2)
   return jnp.where(keep[..., None], grouped, -jnp.inf).reshape(select.shape)
 

@@ -43,6 +43,18 @@ def _spec(a) -> tuple[tuple[str, ...], ...]:
   return tuple(_axes(s) for s in spec)
 
 
+def rowwise(f, a):
+  """f(a) for an f that works along a's last axis alone (jax.lax.top_k): in shard_map where
+  a's leading axes are explicitly split and its last is not, since XLA gathers a to every
+  device for some such ops (top_k on CPU, 2026-12-04); else f(a) as it is."""
+  spec = _spec(a)
+  if not any(spec[:-1]) or spec[-1]:
+    return f(a)
+  split = PartitionSpec(*(s or None for s in spec))
+  return jax.shard_map(f, mesh=jax.typeof(a).sharding.mesh, in_specs=split,
+                       out_specs=split)(a)
+
+
 def placement(x, experts, weights, w_gate, w_up, w_down, shared) -> Placement | None:
   """Where `mok_jax.moe`'s inputs say the layer runs, or None when nothing is sharded.
 

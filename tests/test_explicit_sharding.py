@@ -151,3 +151,20 @@ def test_vmap_over_a_split_batch_axis():
     alone = mok_jax.moe(case.x, case.experts, case.weights, c.w_gate, c.w_up, c.w_down,
                         backend="ffi")
     assert bits(ys[b]) == bits(alone), f"element {b}"
+
+
+@pytest.mark.parametrize("kwargs", [
+    {}, {"score": "sigmoid", "n_groups": 4, "topk_groups": 2, "bias": np.linspace(0, 1, 16)},
+], ids=["softmax", "sigmoid_groups_bias"])
+def test_route_keeps_split_tokens_where_they_are(kwargs):
+  """route on logits split over tokens: the same experts and weights, and no gather of the
+  logits (which jax.lax.top_k on split rows makes XLA do on CPU)."""
+  logits = np.random.default_rng(7).standard_normal((64, 16)).astype(np.float32)
+  split = place(explicit_mesh((8,), ("data",)), logits, P("data"))
+  f = jax.jit(lambda l: mok_jax.route(l, 4, **kwargs))
+  assert "all-gather" not in f.lower(split).compile().as_text()
+  (experts, weights), (want_e, want_w) = f(split), mok_jax.route(logits, 4, **kwargs)
+  assert experts.sharding.spec[0] == "data"
+  assert bits(experts) == bits(want_e) and bits(weights) == bits(want_w)
+  eager = mok_jax.route(split, 4, **kwargs)
+  assert bits(eager[0]) == bits(want_e)
