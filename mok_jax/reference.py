@@ -18,6 +18,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType, PartitionSpec
 
 
 def _precision(dtype):
@@ -66,6 +67,17 @@ def moe_local(x, experts, weights, w_gate, w_up, w_down, shared, *, out_dtype, c
     y: (T, H) of out_dtype.
   """
   del config
+  mesh = getattr(jax.typeof(x).sharding, "mesh", None)
+  explicit = {a for a, t in zip(getattr(mesh, "axis_names", ()), getattr(mesh, "axis_types", ()))
+              if t == AxisType.Explicit}
+  if explicit:
+    # Typed replicated on Explicit axes (mok_jax.moe's placement takes anything split into
+    # shard_map), where ragged_dot and its transpose have no sharding rule (jax 0.10-0.11):
+    # every device runs the layer in shard_map, as it would anyway.
+    local = functools.partial(moe_local, out_dtype=out_dtype, ragged_dot=ragged_dot)
+    return jax.shard_map(local, mesh=mesh, in_specs=PartitionSpec(), out_specs=PartitionSpec(),
+                         axis_names=explicit)(
+        x, experts, weights, w_gate, w_up, w_down, shared)
   f32 = jnp.float32
   T, k = experts.shape
   E = w_gate.shape[0]

@@ -248,7 +248,8 @@ def forward(opts: MoEOptions, x, params: dict, bias=None):
 
   Args:
     opts: the layer's options.
-    x: (..., H) tokens; all leading axes are tokens.
+    x: (..., H) tokens; all leading axes are tokens, explicitly split over any of them or
+      not (sharded.token_rows keeps each row on its device).
     params: arrays by `MoEOptions.param_shapes` name, in any float dtype.
     bias: None or the (E,) selection bias.
 
@@ -258,8 +259,7 @@ def forward(opts: MoEOptions, x, params: dict, bias=None):
   H = opts.hidden_size
   if x.ndim < 1 or x.shape[-1] != H:
     raise ValueError(f"MoE: x must be (..., hidden_size={H}), got shape {x.shape}")
-  lead = x.shape[:-1]
-  x2 = x.reshape(-1, H)
+  (x2,), unflatten = sharded.token_rows(x)
   dtype = opts.compute_dtype(x.dtype)
   logits = jnp.dot(x2.astype(jnp.float32), params["router"].astype(jnp.float32),
                    precision=HIGHEST)
@@ -271,7 +271,7 @@ def forward(opts: MoEOptions, x, params: dict, bias=None):
   shared = (cast("ws_gate"), cast("ws_up"), cast("ws_down")) if opts.has_shared else None
   y = moe(opts, x2.astype(dtype), experts, weights, cast("w_gate"), cast("w_up"),
           cast("w_down"), shared)
-  return y.reshape(*lead, H), aux
+  return unflatten(y), aux
 
 
 def aux_losses(logits, experts, *, score="softmax") -> MoEAux:
