@@ -77,3 +77,19 @@ def test_scan_backends_agree():
 def test_scan_equals_unrolled_layers(backend):
   assert_same_model(loss_and_grads(loss_scan, backend), loss_and_grads(loss_unrolled, backend),
                     f"{backend} scan vs unrolled")
+
+
+def loss_scan_remat(params, x, target, backend, policy):
+  step = jax.checkpoint(lambda h, p: (layer(h, p, backend), None), policy=policy)
+  h, _ = jax.lax.scan(step, x, params)
+  return jnp.mean((h - target) ** 2)
+
+
+@pytest.mark.parametrize("policy", ["nothing_saveable", "dots_saveable", "everything_saveable"])
+@pytest.mark.parametrize("backend", ["xla", "ffi"])
+def test_scan_under_checkpoint(backend, policy):
+  """jax.checkpoint of each layer (remat, as models wrap their blocks), with policies that keep
+  nothing, the dots or everything: the model's loss and gradients stay those of the scan."""
+  model = functools.partial(loss_scan_remat, policy=getattr(jax.checkpoint_policies, policy))
+  assert_same_model(loss_and_grads(model, backend), loss_and_grads(loss_scan, backend),
+                    f"{backend} checkpointed ({policy}) vs plain scan")
