@@ -228,6 +228,46 @@ def test_sharded_equals_unsharded(mesh_shape, axis_type, data_axes, T):
   assert stepped.w_gate.sharding.is_equivalent_to(sharded.shardings().w_gate, 3)
 
 
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_stacked_layers_scanned_over_a_mesh(axis_type):
+  """Expert-parallel layers stacked by eqx.filter_vmap and run by jax.lax.scan: each stack
+  keeps its experts split (the stacked axis whole), and the loss and gradients are those of the
+  same layers unsplit."""
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices")
+  mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(axis_type,) * 2)
+  keys = jax.random.split(jax.random.key(0), 3)
+
+  def stack(**kw):
+    return eqx.filter_vmap(lambda key: MoE(16, 8, 8, 2, shared_intermediate_size=6,
+                                           backend="ffi", key=key, **kw))(keys)
+
+  @eqx.filter_jit
+  def step(layers, x):
+    params, static = eqx.partition(layers, eqx.is_array)
+
+    def loss(params):
+      def block(h, p):
+        y, aux = eqx.combine(p, static)(h)
+        return h + y, aux.load_balancing_loss
+      h, lb = jax.lax.scan(block, x, params)
+      return jnp.sum(h * h) + jnp.sum(lb)
+    return jax.value_and_grad(loss)(params)
+
+  x = tokens((4, 6, 16), seed=5)
+  with jax.set_mesh(mesh):
+    layers = stack(mesh=mesh, expert_axis="expert")
+    assert layers.w_gate.sharding.spec[:2] == (None, "expert")
+    loss, grads = step(layers, x)
+  plain = stack()
+  for name in params_of(plain):  # same init, only placed differently
+    np.testing.assert_array_equal(getattr(layers, name), getattr(plain, name))
+  want_loss, want_grads = step(plain, x)
+  assert_close(loss, want_loss, F32_RTOL, "loss")
+  for name in params_of(plain):
+    assert_close(getattr(grads, name), getattr(want_grads, name), GRAD_RTOL, f"d{name}")
+
+
 def test_expert_axis_must_divide_experts():
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices")

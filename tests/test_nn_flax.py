@@ -271,6 +271,52 @@ def test_sharded_equals_unsharded(mesh_shape, axis_type, T):
   np.testing.assert_array_equal(sharded.bias[...], plain.bias[...])
 
 
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_stacked_layers_scanned_over_a_mesh(axis_type):
+  """Expert-parallel layers stacked by nnx.vmap and run by nnx.scan, as models scan their
+  blocks: each stack keeps its experts split (the stacked axis whole), and the loss and
+  gradients are those of the same layers unsplit."""
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices")
+  mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(axis_type,) * 2)
+  keys = jax.random.split(jax.random.key(0), 3)
+
+  def stack(**kw):
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+    def build(key):
+      return MoE(16, 8, 8, 2, shared_intermediate_size=6, backend="ffi", rngs=nnx.Rngs(key),
+                 **kw)
+    return build(keys)
+
+  @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+  def blocks(h, layer):
+    y, aux = layer(h)
+    return h + y, aux.load_balancing_loss
+
+  @nnx.jit
+  def step(layers, x):
+    def loss(layers):
+      h, lb = blocks(x, layers)
+      return jnp.sum(h * h) + jnp.sum(lb)
+    return nnx.value_and_grad(loss)(layers)
+
+  x = tokens((4, 6, 16), seed=5)
+  with jax.set_mesh(mesh):
+    layers = stack(mesh=mesh, expert_axis="expert")
+    assert layers.w_gate[...].sharding.spec[:2] == (None, "expert")
+    spec = nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(layers)))
+    assert spec["w_up"] == PartitionSpec(None, "expert", None, None)
+    loss, grads = step(layers, x)
+  plain = stack()
+  for name in plain.options.param_shapes():  # same init, only placed differently
+    np.testing.assert_array_equal(getattr(layers, name)[...], getattr(plain, name)[...])
+  want_loss, want_grads = step(plain, x)
+  assert_close(loss, want_loss, F32_RTOL, "loss")
+  for name in plain.options.param_shapes():
+    assert_close(getattr(grads, name)[...], getattr(want_grads, name)[...], GRAD_RTOL,
+                 f"d{name}")
+
+
 def test_expert_axis_must_divide_experts():
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices")

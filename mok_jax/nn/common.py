@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 import mok_jax
 from mok_jax import sharded
@@ -226,7 +226,11 @@ def _check_int(name, value, low):
 
 def init_param(opts: MoEOptions, name: str, key, init, down_init=None):
   """A parameter's initial value: 2-D inits are applied per expert for the (E, ., .) stacks;
-  placed with its NamedSharding when the options have a mesh."""
+  placed with its NamedSharding when the options have a mesh.
+
+  Placed by a sharding constraint (Auto axes) or a reshard (Explicit ones), not device_put:
+  under a vmap that stacks layers (nnx.vmap, eqx.filter_vmap) those keep the spec on the expert
+  axis and leave the stacked axis whole, where device_put would split the stacked axis."""
   shape = opts.param_shapes()[name]
   if name in ("w_down", "ws_down") and down_init is not None:
     init = down_init
@@ -237,7 +241,11 @@ def init_param(opts: MoEOptions, name: str, key, init, down_init=None):
     value = init(key, shape, opts.param_dtype)
   value = jnp.asarray(value, opts.param_dtype)
   sharding = opts.param_sharding(name)
-  return value if sharding is None else jax.device_put(value, sharding)
+  if sharding is None:
+    return value
+  if sharded.axis_type(opts.mesh, opts.expert_axis) == AxisType.Explicit:
+    return jax.sharding.reshard(value, sharding)
+  return jax.lax.with_sharding_constraint(value, sharding)
 
 
 # --- the layer --------------------------------------------------------------------------------
