@@ -55,36 +55,30 @@ def rowwise(f, a):
                        out_specs=split)(a)
 
 
-def token_rows(x, *others):
-  """x (..., C) and arrays with x's leading (token) axes as (T, C') rows, and the function that
-  puts rows (T, C'') back into x's leading axes and their sharding.
+def token_rows(x):
+  """x (..., C) as (T, C) rows, and the function that puts rows (T, C') back into x's leading
+  axes and their sharding.
 
   Rows stay on the devices that hold them. Where x's leading axes are explicitly split other
   than on the first alone, a plain reshape would not keep them there (JAX refuses to merge a
   split axis behind another, and merging two split axes moves rows between devices): each
   split axis is cut into (shards, rows a shard), the shard counts go first, and the rows are
-  the devices' blocks one after another. `others` are first placed as x's leading axes are.
+  the devices' blocks one after another.
   """
   spec, lead = _spec(x), x.shape[:-1]
   mesh = getattr(jax.typeof(x).sharding, "mesh", None)
   n = [math.prod(mesh.shape[a] for a in s) if s else 1 for s in spec[:-1]]
   if not any(spec[1:-1]) or spec[-1] or any(L % m for L, m in zip(lead, n)):
-    rows = [a.reshape(-1, a.shape[-1]) for a in (x, *others)]
-    return rows, lambda y: y.reshape(*lead, y.shape[-1])
+    return x.reshape(-1, x.shape[-1]), lambda y: y.reshape(*lead, y.shape[-1])
   d = len(lead)
   split = [v for m, L in zip(n, lead) for v in (m, L // m)]
   outer = [s or None for s in spec[:-1]]
   placed = lambda *entries: NamedSharding(mesh, PartitionSpec(*entries))  # noqa: E731
-  by_row = placed(sum(spec[:-1], ()), None)
   order = (*range(0, 2 * d, 2), *range(1, 2 * d, 2), 2 * d)
-
-  def to_rows(a):
-    if a is not x:
-      a = jax.sharding.reshard(a, placed(*outer, None))
-    a = jnp.reshape(a, (*split, a.shape[-1]),
-                    out_sharding=placed(*(v for s in outer for v in (s, None)), None))
-    a = jnp.transpose(a, order)
-    return jnp.reshape(a, (-1, a.shape[-1]), out_sharding=by_row)
+  rows = jnp.reshape(x, (*split, x.shape[-1]),
+                     out_sharding=placed(*(v for s in outer for v in (s, None)), None))
+  rows = jnp.reshape(jnp.transpose(rows, order), (-1, x.shape[-1]),
+                     out_sharding=placed(sum(spec[:-1], ()), None))
 
   def back(y):
     y = jnp.reshape(y, (*split[0::2], *split[1::2], y.shape[-1]),
@@ -92,7 +86,7 @@ def token_rows(x, *others):
     y = jnp.transpose(y, tuple(order.index(i) for i in range(2 * d + 1)))
     return jnp.reshape(y, (*lead, y.shape[-1]), out_sharding=placed(*outer, None))
 
-  return [to_rows(a) for a in (x, *others)], back
+  return rows, back
 
 
 def placement(x, experts, weights, w_gate, w_up, w_down, shared) -> Placement | None:
