@@ -16,102 +16,17 @@ from jax.sharding import AxisType, PartitionSpec
 import mok_jax
 from mok_jax.nn.flax import MoE, MoEBias
 
-F32_RTOL = 2e-5  # f32 layer vs f32 dense reference (different summation order)
-BF16_RTOL = 3e-2  # bf16 compute dtype vs the f32 reference
-GRAD_RTOL = 1e-4
-HI = jax.lax.Precision.HIGHEST
-
-
-# --- the reference: every expert on every token, a (T, E) gate matrix zero off the top k ---
-
-
-def dense_moe(x, p, *, top_k, score="softmax", renormalize=True, n_groups=None,
-              topk_groups=None, bias=None):
-  """(y, load_balancing_loss, router_z_loss, counts) of the layer, written out densely."""
-  x = x.reshape(-1, x.shape[-1])
-  E = p["router"].shape[1]
-  logits = jnp.dot(x, p["router"], precision=HI)
-  scores = jax.nn.softmax(logits) if score == "softmax" else jax.nn.sigmoid(logits)
-  select = jax.lax.stop_gradient(scores) + (0.0 if bias is None else bias)
-  if n_groups is not None:
-    grouped = select.reshape(-1, n_groups, E // n_groups)
-    group_score = -jnp.sort(-grouped, axis=-1)[..., :2].sum(-1)
-    kept = jnp.argsort(-group_score, axis=-1, stable=True)[:, :topk_groups]
-    keep = (jnp.arange(n_groups)[None, None, :] == kept[:, :, None]).any(1)
-    select = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(-1, E)
-  chosen = jnp.argsort(-select, axis=-1, stable=True)[:, :top_k]
-  mask = (jnp.arange(E)[None, None, :] == chosen[:, :, None]).any(1)
-  gate = jnp.where(mask, scores, 0.0)
-  if renormalize:
-    gate = gate / (gate.sum(-1, keepdims=True) + 1e-20)
-  ein = lambda s, a, b: jnp.einsum(s, a, b, precision=HI)  # noqa: E731
-  h = jax.nn.silu(ein("th,ehi->tei", x, p["w_gate"])) * ein("th,ehi->tei", x, p["w_up"])
-  y = jnp.einsum("te,teh->th", gate, ein("tei,eih->teh", h, p["w_down"]), precision=HI)
-  if "ws_gate" in p:
-    hs = jax.nn.silu(jnp.dot(x, p["ws_gate"], precision=HI)) * jnp.dot(x, p["ws_up"], precision=HI)
-    y = y + jnp.dot(hs, p["ws_down"], precision=HI)
-  probs = scores if score == "softmax" else scores / scores.sum(-1, keepdims=True)
-  counts = mask.sum(0)
-  lb = E * jnp.sum(jax.lax.stop_gradient(counts / (x.shape[0] * top_k)) * probs.mean(0))
-  z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
-  return y, lb, z, counts
-
-
-def dense_ref(moe, x, **kw):
-  """dense_moe with the layer's options and parameters, jitted."""
-  return jax.jit(lambda x, p: dense_moe(x, p, **ref_kwargs(moe), **kw))(x, params_of(moe))
-
-
-def aux_numpy(logits, experts, E, score):
-  """The documented formulas (MoEAux) in float64 NumPy."""
-  logits = np.asarray(logits, np.float64)
-  T, k = experts.shape
-  if score == "softmax":
-    e = np.exp(logits - logits.max(-1, keepdims=True))
-    probs = e / e.sum(-1, keepdims=True)
-  else:
-    s = 1 / (1 + np.exp(-logits))
-    probs = s / s.sum(-1, keepdims=True)
-  counts = np.bincount(np.asarray(experts).ravel(), minlength=E)
-  lb = E * np.sum(counts / (T * k) * probs.mean(0))
-  m = logits.max(-1)
-  z = np.mean((m + np.log(np.exp(logits - m[:, None]).sum(-1))) ** 2)
-  return lb, z, counts
+from cases import assert_close
+from layer_reference import (BF16_RTOL, CASES, F32_RTOL, GRAD_RTOL, aux_numpy, dense_moe,
+                             dense_ref, layer_options, ref_kwargs, tokens)
 
 
 def params_of(moe):
   return {name: getattr(moe, name)[...] for name in moe.options.param_shapes()}
 
 
-def assert_close(actual, expected, rtol, name=""):
-  actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-  scale = max(float(np.max(np.abs(expected))), 1e-30)
-  np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * scale, err_msg=name)
-
-
-CASES = {
-    "softmax": dict(),
-    "sigmoid_groups_shared": dict(score="sigmoid", renormalize=False, n_groups=4, topk_groups=2,
-                                  shared_intermediate_size=6),
-    "top1_shared_renorm": dict(top_k=1, shared_intermediate_size=4),
-}
-
-
 def make(case="softmax", seed=0, **kw):
-  opts = dict(hidden_size=16, intermediate_size=8, num_experts=8, top_k=2)
-  opts.update(CASES[case])
-  opts.update(kw)
-  return MoE(**opts, rngs=nnx.Rngs(seed))
-
-
-def ref_kwargs(moe):
-  o = moe.options
-  return dict(top_k=o.top_k, score=o.score, renormalize=o.renormalize, n_groups=o.n_groups,
-              topk_groups=o.topk_groups)
-
-
-def tokens(shape=(3, 5, 16), seed=1, dtype=jnp.float32):
-  return jax.random.normal(jax.random.key(seed), shape, dtype)
+  return MoE(**layer_options(case, **kw), rngs=nnx.Rngs(seed))
 
 
 # --- tests ----------------------------------------------------------------------------------
@@ -133,7 +48,7 @@ def test_forward_gradients_and_aux(case):
     return nnx.grad(loss, argnums=(0, 1), has_aux=True)(m, x)
 
   (grads, dx), (y, aux) = run(moe, x)
-  want_y, want_lb, want_z, want_counts = dense_ref(moe, x)
+  want_y, want_lb, want_z, want_counts = dense_ref(moe, params_of(moe), x)
   assert y.shape == x.shape and y.dtype == jnp.float32
   assert_close(y.reshape(-1, 16), want_y, F32_RTOL, "y")
   np.testing.assert_array_equal(aux.counts, want_counts)
@@ -166,7 +81,7 @@ def test_bf16_compute_dtype():
   moe = make("top1_shared_renorm", dtype=jnp.bfloat16)
   y, _ = nnx.jit(lambda m, x: m(x))(moe, x)
   assert y.dtype == jnp.bfloat16 and moe.w_gate[...].dtype == jnp.float32
-  want = dense_ref(moe, x)[0]
+  want = dense_ref(moe, params_of(moe), x)[0]
   assert_close(y.reshape(-1, 16), want, BF16_RTOL, "bf16 y")
   moe = make(param_dtype=jnp.bfloat16)
   assert moe.w_up[...].dtype == jnp.bfloat16
@@ -212,7 +127,7 @@ def test_selection_bias_picks_but_does_not_weigh():
   moe.bias[...] = jnp.zeros(8).at[6:].set(10.0)
   y, aux = moe(x)
   np.testing.assert_array_equal(aux.counts, [0] * 6 + [15, 15])
-  want = dense_ref(moe, x, bias=moe.bias[...])[0]
+  want = dense_ref(moe, params_of(moe), x, bias=moe.bias[...])[0]
   assert_close(y.reshape(-1, 16), want, F32_RTOL, "biased y")
   # The update rule: bias += rate * sign(mean(counts) - counts), in place under nnx.jit.
   moe.bias[...] = jnp.zeros(8)
