@@ -72,7 +72,7 @@ def moe_local(x, experts, weights, w_gate, w_up, w_down, shared, *, out_dtype, c
               if t == AxisType.Explicit}
   if explicit:
     # Typed replicated on Explicit axes (mok_jax.moe's placement takes anything split into
-    # shard_map), where ragged_dot and its transpose have no sharding rule (jax 0.10-0.11):
+    # shard_map), where ragged_dot and its transpose have no sharding rule (jax 0.10.2):
     # every device runs the layer in shard_map, as it would anyway.
     local = functools.partial(moe_local, out_dtype=out_dtype, ragged_dot=ragged_dot)
     return jax.shard_map(local, mesh=mesh, in_specs=PartitionSpec(), out_specs=PartitionSpec(),
