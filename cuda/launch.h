@@ -69,10 +69,11 @@ struct MoeBwdArgs {
   void* dws_gate;         // (H, Is)
   void* dws_up;           // (H, Is)
   void* dws_down;         // (Is, H)
-  // xs and dy_routed are live until the weight gradients have read them; dx_routed, written
+  // xs_in and dy_routed are live until the weight gradients have read them; dx_routed, written
   // after, may lie over one of them (the FFI handler gives it xs's buffer).
-  void* xs;               // (R, H) bf16: the residual's without recompute, else scratch to
-                          // gather into
+  const void* xs_in;      // (R, H) bf16: the rows the weight gradients read, zero padding rows:
+                          // the residual without recompute, else xs once gathered
+  void* xs;               // (R, H) bf16 scratch that recompute gathers into
   void* dy_routed;        // scratch (R, H) bf16: dy of each routed row, unweighted
   void* dx_routed;        // scratch (R, H) bf16
   void* dgu;              // scratch (R, 2I) bf16; may be gu (each tile reads its g, u first)

@@ -46,6 +46,9 @@ def parse_args(argv=None):
                  help="shared-expert intermediate size (0: no shared expert)")
   g.add_argument("--score", choices=("softmax", "sigmoid"), default="softmax")
   g.add_argument("--seq-len", type=int, default=128)
+  g.add_argument("--scan-layers", action="store_true",
+                 help="stack the blocks' parameters on a leading axis and run them with nnx.scan "
+                      "(one compiled block, as large models are trained) instead of a loop")
   g = p.add_argument_group("training")
   g.add_argument("--steps", type=int, default=500)
   g.add_argument("--batch", type=int, default=16, help="sequences per step")
@@ -99,7 +102,7 @@ from tqdm import tqdm  # noqa: E402
 from mok_jax.nn.flax import MoE  # noqa: E402
 
 ARCH_FLAGS = ("d_model", "layers", "heads", "experts", "top_k", "expert_size", "shared_size",
-              "score", "seq_len")
+              "score", "seq_len", "scan_layers")
 DOC_SEPARATOR = 0  # byte between files; never in a .py file
 
 
@@ -173,17 +176,33 @@ class LM(nnx.Module):
     self.dtype = dtype
     self.embed = nnx.Embed(256, args.d_model, rngs=rngs)
     self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (args.seq_len, args.d_model)))
-    blocks = [Block(args, mesh, dtype, rngs) for _ in range(args.layers)]
-    self.blocks = nnx.List(blocks) if hasattr(nnx, "List") else blocks  # Flax < 0.12: a list
+    self.scan_layers = args.scan_layers
+    if args.scan_layers:
+      # One Block whose parameters have a leading layer axis (the experts stay split over the
+      # mesh's "expert" axis, the layer axis whole).
+      @nnx.split_rngs(splits=args.layers)
+      @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+      def stacked(rngs):
+        return Block(args, mesh, dtype, rngs)
+      self.blocks = stacked(rngs)
+    else:
+      blocks = [Block(args, mesh, dtype, rngs) for _ in range(args.layers)]
+      self.blocks = nnx.List(blocks) if hasattr(nnx, "List") else blocks  # Flax < 0.12: a list
     self.norm = nnx.RMSNorm(args.d_model, rngs=rngs)
 
   def __call__(self, tokens):
-    """tokens (B, S) int -> logits (B, S, 256) f32 and the MoEAux of every layer."""
+    """tokens (B, S) int -> logits (B, S, 256) f32 and the MoEAux of the layers, stacked on a
+    leading axis."""
     x = (self.embed(tokens) + self.pos[...][: tokens.shape[1]]).astype(self.dtype)
-    auxes = []
-    for block in self.blocks:
-      x, aux = block(x)
-      auxes.append(aux)
+    if self.scan_layers:
+      x, auxes = nnx.scan(lambda x, block: block(x), in_axes=(nnx.Carry, 0),
+                          out_axes=(nnx.Carry, 0))(x, self.blocks)
+    else:
+      auxes = []
+      for block in self.blocks:
+        x, aux = block(x)
+        auxes.append(aux)
+      auxes = jax.tree.map(lambda *a: jnp.stack(a), *auxes)
     logits = self.embed.attend(self.norm(x.astype(jnp.float32)))
     return logits, auxes
 
@@ -199,14 +218,14 @@ def make_train_step(args):
     def loss_fn(model):
       logits, auxes = model(inputs)
       ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-      lb = jnp.mean(jnp.stack([a.load_balancing_loss for a in auxes]))
-      z = jnp.mean(jnp.stack([a.router_z_loss for a in auxes]))
-      counts = jnp.stack([a.counts for a in auxes])  # (layers, E)
-      return ce + args.lb_coef * lb + args.z_coef * z, (ce, counts)
+      lb, z = jnp.mean(auxes.load_balancing_loss), jnp.mean(auxes.router_z_loss)
+      return ce + args.lb_coef * lb + args.z_coef * z, (ce, auxes.counts)  # counts (layers, E)
 
     (_, (ce, counts)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
     optimizer.update(model, grads)
-    if args.bias_rate > 0:
+    if args.bias_rate > 0 and args.scan_layers:
+      model.blocks.moe.update_bias(counts, args.bias_rate)  # each layer's row of the stack
+    elif args.bias_rate > 0:
       for block, c in zip(model.blocks, counts):
         block.moe.update_bias(c, args.bias_rate)
     return ce, counts

@@ -54,8 +54,11 @@ ffi::Error MoeBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
   a.dw_down = out.dw_down.untyped_data();
   a.dws_gate = out.dws_gate.untyped_data(), a.dws_up = out.dws_up.untyped_data();
   a.dws_down = out.dws_down.untyped_data();
-  // xs: without recompute the residual's buffer (aliased), which the forward filled; dx_routed
-  // then takes it.
+  // xs: without recompute read from the residual operand, never through the result that
+  // aliases it: the result is only where dx_routed goes, and whether XLA hands both the same
+  // buffer (it does when the residual dies with the backward, ops.bwd_aliases) is XLA's choice.
+  // With recompute the backward gathers xs into the result itself.
+  a.xs_in = d.recompute ? out.xs.untyped_data() : xs.untyped_data();
   a.xs = out.xs.untyped_data();
   a.dy_routed = out.dy_routed.untyped_data();
   a.dx_routed = out.xs.untyped_data();

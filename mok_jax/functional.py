@@ -223,33 +223,8 @@ def _moe_ffi(x, experts, weights, w_gate, w_up, w_down, shared, *, out_dtype, co
   # axes. Casting them here, outside the custom VJP, lets JAX transpose the cast: the gradient
   # of an operand that is the same on every rank (a replicated weight) is summed over ranks.
   args = (x, experts, weights, w_gate, w_up, w_down, shared)
-  axes = frozenset().union(*map(_varying_axes, jax.tree.leaves(args)))
-  return _moe_ffi_vjp(jnp.dtype(out_dtype), config, ranks, *_vary(args, axes))
-
-
-def _varying_axes(a) -> frozenset:
-  """The shard_map axes over which `a` varies; empty outside shard_map or with check_vma off."""
-  aval = jax.typeof(a)
-  if hasattr(aval, "vma"):
-    return frozenset(aval.vma)
-  return frozenset(getattr(getattr(aval, "mat", None), "varying", ()))
-
-
-def _vary(tree, axes):
-  """Types every leaf as varying over `axes` (a no-op at run time).
-
-  The results of a custom call come back typed as varying over no axis, although a call on
-  every rank of a shard_map returns what varies like its operands."""
-
-  def cast(a):
-    missing = tuple(sorted(axes - _varying_axes(a), key=str))
-    if not missing:
-      return a
-    if hasattr(jax.lax, "pcast"):
-      return jax.lax.pcast(a, missing, to="varying")
-    return jax.lax.pvary(a, missing)  # older jax
-
-  return jax.tree.map(cast, tree)
+  axes = frozenset().union(*map(reference.varying_axes, jax.tree.leaves(args)))
+  return _moe_ffi_vjp(jnp.dtype(out_dtype), config, ranks, *reference.vary(args, axes))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -300,7 +275,7 @@ def _moe_ffi_call(out_dtype, block_m, recompute, ranks, x, experts, weights, w_g
   y, residuals = ops.moe_fwd(x, experts, weights, w_gate, w_up, w_down, shared,
                              out_dtype=out_dtype, block_m=block_m, recompute=recompute,
                              ranks=ranks)
-  return _vary((y, residuals), _varying_axes(x))
+  return reference.vary((y, residuals), reference.varying_axes(x))
 
 
 def _moe_ffi_fwd(out_dtype, config, ranks, x, experts, weights, w_gate, w_up, w_down, shared):
@@ -319,7 +294,7 @@ def _moe_ffi_bwd(out_dtype, config, ranks, saved, dy):
   x, experts, weights, w_gate, w_up, w_down, shared, residuals = saved
   grads = ops.moe_bwd(dy, x, experts, weights, w_gate, w_up, w_down, shared, residuals,
                       block_m=config.block_m, recompute=config.recompute, ranks=ranks)
-  grads = _vary(grads, _varying_axes(x))
+  grads = reference.vary(grads, reference.varying_axes(x))
   return (grads.x, None, grads.weights, grads.w_gate, grads.w_up, grads.w_down, grads.shared)
 
 

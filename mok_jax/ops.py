@@ -54,7 +54,9 @@ class MoeDims(NamedTuple):
 class Residuals(NamedTuple):
   """What mok_moe_fwd saves for mok_moe_bwd. R = routed_rows(T * k, E, block_m). With
   Config.recompute, gu, gu_shared and xs have zero rows: the backward recomputes them from x.
-  Rows of gu and xs past offsets[E] (the rows in use) are unspecified. The routes' outputs
+  Rows of gu and xs past offsets[E] (the rows in use) are unspecified and never read, nor are
+  gu's padding rows (each expert's rows after its last route); xs's padding rows are zeros,
+  which the weight gradients' reductions run over. The routes' outputs
   (y_routed) are not kept: the backward takes dweights from <dy @ w_down^T, h>."""
 
   pos: jax.Array  # (T, k) int32: routed row of route (t, j); -1 for an invalid id

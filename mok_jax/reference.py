@@ -47,8 +47,102 @@ def shared_mlp(x, shared):
   return y.astype(x.dtype).astype(jnp.float32)
 
 
+def varying_axes(a) -> frozenset:
+  """The shard_map axes over which `a` varies; empty outside shard_map or with check_vma off."""
+  aval = jax.typeof(a)
+  if hasattr(aval, "vma"):
+    return frozenset(aval.vma)
+  return frozenset(getattr(getattr(aval, "mat", None), "varying", ()))
+
+
+def vary(tree, axes):
+  """Types every leaf as varying over `axes` (a no-op at run time).
+
+  The results of a custom call come back typed as varying over no axis, although a call on
+  every rank of a shard_map returns what varies like its operands; and a custom VJP must give
+  each operand a gradient that varies like it, which JAX's transpose of this cast sums over the
+  axes it added."""
+
+  def cast(a):
+    missing = tuple(sorted(axes - varying_axes(a), key=str))
+    if not missing:
+      return a
+    if hasattr(jax.lax, "pcast"):
+      return jax.lax.pcast(a, missing, to="varying")
+    return jax.lax.pvary(a, missing)  # older jax
+
+  return jax.tree.map(cast, tree)
+
+
+def _row_groups(group_sizes, rows):
+  """The group of each of `rows` rows (G for the rows past sum(group_sizes))."""
+  return jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows), side="right")
+
+
+def _finite(a):
+  return jnp.where(jnp.isfinite(a), a, jnp.zeros((), a.dtype))
+
+
+def _any_per_group(bad, groups, G):
+  """(G, ...) whether any row of each group is `bad` (rows of group G are dropped)."""
+  return jax.ops.segment_max(bad.astype(jnp.int32), groups, num_segments=G + 1)[:G] > 0
+
+
+def nan_local(ragged_dot):
+  """`ragged_dot` (lhs (M, K), rhs (G, K, N), group_sizes (G,), **kw) whose non-finite values
+  stay where the math puts them, forward and backward.
+
+  A grouped matmul may multiply each row by every group's weights and mask the products (0 x NaN
+  is NaN): one expert's NaN would then reach every token. Here the product runs on the operands
+  with their non-finite values zeroed, and its result is NaN exactly where a non-finite operand
+  enters the sum: out[r, n] where row r of lhs, or column n of its group's rhs, has one; the
+  gradients likewise. Finite operands give the bits of `ragged_dot`, and its own transpose."""
+
+  def dot(lhs, rhs, group_sizes, **kw):
+    # Under shard_map both operands vary like their union first (the expert weights may vary
+    # over fewer axes than the tokens), so that each gradient varies like its operand.
+    axes = varying_axes(lhs) | varying_axes(rhs)
+    lhs, rhs = vary((lhs, rhs), axes)
+
+    @jax.custom_vjp
+    def local(lhs, rhs, group_sizes):
+      return forward(lhs, rhs, group_sizes)[0]
+
+    def forward(lhs, rhs, group_sizes):
+      G = rhs.shape[0]
+      groups = _row_groups(group_sizes, lhs.shape[0])
+      out = ragged_dot(_finite(lhs), _finite(rhs), group_sizes=group_sizes, **kw)
+      col_bad = jnp.concatenate([~jnp.all(jnp.isfinite(rhs), axis=1),
+                                 jnp.zeros((1, rhs.shape[2]), bool)])[groups]
+      bad = ~jnp.all(jnp.isfinite(lhs), axis=1)[:, None] | col_bad
+      out = jnp.where(bad & (groups < G)[:, None], jnp.nan, out)
+      return out, (lhs, rhs, group_sizes, groups)
+
+    def backward(res, g):
+      lhs, rhs, group_sizes, groups = res
+      G = rhs.shape[0]
+      _, transpose = jax.vjp(
+          lambda a, b: ragged_dot(a, b, group_sizes=group_sizes, **kw), _finite(lhs),
+          _finite(rhs))
+      d_lhs, d_rhs = transpose(_finite(g))
+      # d_lhs[r, k] = sum_n g[r, n] rhs[group r, k, n]; d_rhs[e, k, n] = sum over e's rows r of
+      # lhs[r, k] g[r, n].
+      k_bad = jnp.concatenate([~jnp.all(jnp.isfinite(rhs), axis=2),
+                               jnp.zeros((1, rhs.shape[1]), bool)])[groups]
+      lhs_bad = ~jnp.all(jnp.isfinite(g), axis=1)[:, None] | k_bad
+      d_lhs = jnp.where(lhs_bad & (groups < G)[:, None], jnp.nan, d_lhs)
+      rhs_bad = (_any_per_group(~jnp.isfinite(lhs), groups, G)[:, :, None] |
+                 _any_per_group(~jnp.isfinite(g), groups, G)[:, None, :])
+      return d_lhs, jnp.where(rhs_bad, jnp.nan, d_rhs), None
+
+    local.defvjp(forward, backward)
+    return local(lhs, rhs, group_sizes)
+
+  return dot
+
+
 def moe_local(x, experts, weights, w_gate, w_up, w_down, shared, *, out_dtype, config=None,
-              ragged_dot=jax.lax.ragged_dot):
+              ragged_dot=None):
   """The MoE layer over the experts held here.
 
   Args:
@@ -60,13 +154,16 @@ def moe_local(x, experts, weights, w_gate, w_up, w_down, shared, *, out_dtype, c
     shared: None or (ws_gate (H, Is), ws_up (H, Is), ws_down (Is, H)).
     out_dtype: dtype of y: x.dtype, or f32 for a partial sum that is reduced further.
     config: ignored (the XLA backend has no kernel knobs).
-    ragged_dot: the grouped matmul, with jax.lax.ragged_dot's signature; the benchmark swaps in
-      other implementations (tokamax's) to time the same layer on them.
+    ragged_dot: the grouped matmul, with jax.lax.ragged_dot's signature; None: `nan_local` of
+      jax.lax.ragged_dot. The benchmark swaps in the peers' (jax's and tokamax's, as their users
+      call them) to time the same layer on them.
 
   Returns:
     y: (T, H) of out_dtype.
   """
   del config
+  if ragged_dot is None:
+    ragged_dot = nan_local(jax.lax.ragged_dot)
   mesh = getattr(jax.typeof(x).sharding, "mesh", None)
   explicit = {a for a, t in zip(getattr(mesh, "axis_names", ()), getattr(mesh, "axis_types", ()))
               if t == AxisType.Explicit}

@@ -371,14 +371,17 @@ def cuda_digests_with(xla_flags: str, clusters: str = "", tails: str = "",
 
 
 def sanitizer_cases():
-  """Forward and backward of the CUDA backend on the small cases that compute-sanitizer checks:
-  tile tails, a shared expert and out-of-range ids (block_m 128); half tiles and several tiles
-  per persistent CTA (block_m 64)."""
-  shapes = [(300, 128, 192, 8, 3, 64, 128), (2500, 256, 128, 64, 8, 0, 64)]
-  for T, H, I, E, k, Is, block_m in shapes:
+  """Forward and backward of the CUDA backend on the small cases that compute-sanitizer checks
+  (tools/sanitize.sh): tile tails, a shared expert and out-of-range ids (block_m 128); half
+  tiles and several tiles per persistent CTA (block_m 64); each with an expert that no route
+  picks; and the backward with recompute."""
+  shapes = [(300, 128, 192, 8, 3, 64, 128, False), (2500, 256, 128, 64, 8, 0, 64, False),
+            (300, 128, 192, 8, 3, 64, 64, True)]
+  for T, H, I, E, k, Is, block_m, recompute in shapes:
     rng = np.random.default_rng(T)
     experts = rng.integers(-1, E + 1, (T, k))
+    experts[experts == E // 2] = -1  # an expert without routes
     case = make_case(T, H, I, E, k, Is=Is, dtype=BF16, seed=T, experts=experts)
-    y, grads = loss_and_grads(case, "cuda", mok_jax.Config(block_m=block_m))
+    y, grads = loss_and_grads(case, "cuda", mok_jax.Config(block_m=block_m, recompute=recompute))
     assert np.isfinite(y.astype(np.float32)).all()
     assert all(np.isfinite(g.astype(np.float32)).all() for g in grads.values())

@@ -1,13 +1,13 @@
-"""tools/ab/measure.py, which the device A/B of builds runs for each build, on the CPU: it prints
-the bits of y and of every gradient and the wall-clock medians (per call and back to back), and
-the same bits when run again."""
+"""The A/B tools of tools/ab (tools/README.md), on the CPU: measure.py, which tools/ab/run.sh runs
+for each build (the bits of y and of every gradient, the same when run again, and the wall-clock
+medians per call and back to back), ncu_call.py, sass.py's parsers, and export.sh."""
 
 import importlib
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
-import time
 
 SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "tools" / "ab" / "measure.py"
 
@@ -54,11 +54,11 @@ def test_short_kernel_names():
     return (f"mok::sm90::GemmKind<(cute::SM90::GMMA::Major){a}, (cute::SM90::GMMA::Major){b}, "
             f"(mok::sm90::Epilogue){epi}, (mok::sm90::Schedule){sched}>")
   short = _tool("measure").short
-  down, gate_up, weights = kind(0, 0, 3, 0), kind(0, 0, 1, 0), kind(1, 1, 0, 1)
+  down, weights = kind(0, 0, 3, 0), kind(1, 1, 0, 1)
   assert short(f"void mok::sm90::GemmChainKernel<{down}, {down}, 4>(mok::sm90::ChainParams)") == (
       "gemm0030")
-  assert short(f"void mok::sm90::DualChainKernel<{gate_up}, {gate_up}, {weights}, {weights}>"
-               "(mok::sm90::ChainParams, mok::sm90::ChainParams, int)") == "dual0010_1101"
+  assert short(f"void mok::sm90::GemmChainKernel<{weights}, {weights}, 2, 1>"
+               "(mok::sm90::ChainParams)") == "gemm1101"
   assert short("void mok::sm90::GatherKernel(uint4 const*, int const*)") == "GatherKernel"
 
 
@@ -71,6 +71,31 @@ def test_call_spans():
   assert measure.call_spans([]) == []
 
 
+def test_export_writes_each_ref_as_a_source_tree(tmp_path):
+  repo = tmp_path / "repo"
+  (repo / "tools" / "ab").mkdir(parents=True)
+  shutil.copy(SCRIPT.parent / "export.sh", repo / "tools" / "ab" / "export.sh")
+  git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+  subprocess.run(["git", "init", "-q", "-b", "main", str(repo)], check=True)
+  (repo / "f.txt").write_text("one\n")
+  subprocess.run([*git, "add", "."], check=True)
+  subprocess.run([*git, "commit", "-q", "-m", "one"], check=True)
+  subprocess.run([*git, "checkout", "-q", "-b", "wip/x"], check=True)
+  (repo / "f.txt").write_text("two\n")
+  subprocess.run([*git, "commit", "-q", "-am", "two"], check=True)
+  (repo / "runs" / "ab" / "stale").mkdir(parents=True)
+  out = subprocess.run(["bash", "tools/ab/export.sh", "main", "wip/x"], cwd=repo, check=True,
+                       capture_output=True, text=True).stdout.split()
+  assert out[0::2] == ["main", "wip-x"]
+  assert sorted(p.name for p in (repo / "runs" / "ab").iterdir()) == ["main", "wip-x"]
+  assert (repo / "runs" / "ab" / "main" / "f.txt").read_text() == "one\n"
+  assert (repo / "runs" / "ab" / "wip-x" / "f.txt").read_text() == "two\n"
+  assert (repo / "runs" / "ab" / "main" / "tools" / "ab" / "export.sh").exists()
+
+
+def test_run_sh_parses():
+  subprocess.run(["bash", "-n", str(SCRIPT.parent / "run.sh")], check=True)
+
 
 def test_ncu_call_runs_one_call():
   env = dict(os.environ, MOK_AB_BACKEND="xla", JAX_PLATFORMS="cpu")
@@ -78,18 +103,6 @@ def test_ncu_call_runs_one_call():
     out = subprocess.run([sys.executable, str(SCRIPT.parent / "ncu_call.py"), "tiny", mode],
                          env=env, check=True, capture_output=True, text=True, timeout=300).stdout
     assert out.split() == ["tiny", f"{mode}:", "one", "call"]
-
-
-def test_host_timeline_lists_host_events():
-  env = dict(os.environ, MOK_AB_BACKEND="xla", JAX_PLATFORMS="cpu")
-  out = subprocess.run([sys.executable, str(SCRIPT.parent / "host_timeline.py"), "tiny"],
-                       env=env, check=True, capture_output=True, text=True,
-                       timeout=300).stdout.splitlines()
-  assert out[0] == "tiny fwd: host events, us a call (the 30 longest):"
-  rows = [line.split(None, 2) for line in out[1:-1]]
-  assert 0 < len(rows) <= 30 and all(float(us) >= 0 and x.startswith("x") for us, x, _ in rows)
-  assert any("PjitFunction" in name for _, _, name in rows), rows
-  assert out[-1] == "no GPU kernels in the trace"  # a CPU run
 
 
 def test_digest_follows_every_bit_and_position():
@@ -132,32 +145,6 @@ def test_measure_with_pow2_inputs_changes_the_bits():
   plain_bits = [f[3:] for f in _run("fwd") if f[2] == "bits"]
   assert len(pow2_bits) == len(plain_bits) == 1
   assert all(a != b for a, b in zip(pow2_bits[0], plain_bits[0]))
-
-
-def test_sync_latency_finds_its_calls():
-  env = dict(os.environ, MOK_AB_BACKEND="xla", JAX_PLATFORMS="cpu")
-  out = subprocess.run([sys.executable, str(SCRIPT.parent / "sync_latency.py"), "tiny"],
-                       env=env, check=True, capture_output=True, text=True, timeout=300).stdout
-  assert out.splitlines() == ["no GPU kernels in the 20 calls traced"]  # a CPU run
-
-
-def test_pause_times_each_pause_after_the_pause():
-  pause = _tool("pause")
-  slept = []
-
-  def call():
-    slept.append(time.perf_counter())
-    return 0
-
-  seconds = pause.timed_calls(call, pause_ms=20.0, calls=3)
-  assert len(seconds) == 3 and all(0 <= s < 0.02 for s in seconds)  # the sleep is not timed
-  assert all(b - a >= 0.02 for a, b in zip(slept, slept[1:]))        # but comes before each call
-  env = dict(os.environ, MOK_AB_BACKEND="xla", JAX_PLATFORMS="cpu")
-  out = subprocess.run([sys.executable, str(SCRIPT.parent / "pause.py"), "tiny", "fwd", "0,1"],
-                       env=env, check=True, capture_output=True, text=True,
-                       timeout=300).stdout.splitlines()
-  assert [line.split(":")[0] for line in out] == ["tiny fwd pause 0 ms", "tiny fwd pause 1 ms"]
-  assert all(float(line.split(": ")[1].split()[0]) > 0 for line in out)
 
 
 def test_joules_a_call_as_printed():

@@ -9,6 +9,8 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_lm.py"
 TINY = ["--d-model", "32", "--layers", "1", "--heads", "2", "--experts", "4", "--top-k", "2",
@@ -49,3 +51,15 @@ def test_train_lm_runs_resumes_and_learns(tmp_path):
   # A byte model starts near ln(256) = 5.55 nats; a few steps must take it well below.
   assert train[0] > 5.0 and max(train[-3:]) < train[0] - 1.0, train
   assert evals[-1] < evals[0] and evals[-1] == resumed["final_held_out_loss"], evals
+
+
+def test_train_lm_scans_its_layers(tmp_path):
+  """--scan-layers: the blocks stacked and run by nnx.scan, with the per-layer bias update."""
+  summary = load_example().main([*TINY, "--layers", "2", "--scan-layers", "--bias-rate", "1e-3",
+                                 "--steps", "12", "--out", str(tmp_path)])
+  history = json.loads((tmp_path / "history.json").read_text())
+  train = [loss for _, loss in history["train"]]
+  assert train[0] > 5.0 and max(train[-3:]) < train[0] - 1.0, train
+  counts = np.asarray(history["load"][-1][1])
+  assert counts.shape == (2, 4) and (counts.sum(-1) == 8 * 32 * 2).all()  # B S k a layer
+  assert summary["final_held_out_loss"] < 5.0

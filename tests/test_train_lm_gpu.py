@@ -38,19 +38,19 @@ FIRST_STEP_RTOL = 1e-3
 STEP_RTOL = 2e-2
 
 
-def train(example, backend, out: pathlib.Path) -> dict:
-  summary = example.main([*MODEL, *RUN, "--backend", backend, "--out", str(out)])
+def train(example, backend, out: pathlib.Path, extra) -> dict:
+  summary = example.main([*MODEL, *RUN, *extra, "--backend", backend, "--out", str(out)])
   history = json.loads((out / "history.json").read_text())
   return {"train": [loss for _, loss in history["train"]], "eval": history["eval"],
           "median_step_ms": summary["median_step_ms"]}
 
 
-def compare(backend, reference, tmp_path) -> dict:
+def compare(backend, reference, tmp_path, extra) -> dict:
   example = load_example()
-  runs = {name: train(example, name, tmp_path / name) for name in (backend, reference)}
+  runs = {name: train(example, name, tmp_path / name, extra) for name in (backend, reference)}
   got, want = (np.asarray(runs[name]["train"]) for name in (backend, reference))
   rel = np.abs(got - want) / np.abs(want)
-  result = {"device": jax.devices()[0].device_kind, "argv": MODEL + RUN, "runs": runs,
+  result = {"device": jax.devices()[0].device_kind, "argv": MODEL + RUN + extra, "runs": runs,
             "rel_diff": rel.tolist(),
             "max_rel_diff": float(rel.max()), "max_rel_diff_step": int(rel.argmax()) + 1}
   print(f"step  {backend:>8}  {reference:>8}  rel diff")
@@ -60,13 +60,15 @@ def compare(backend, reference, tmp_path) -> dict:
   folder = os.environ.get("MOK_TEST_ARTIFACTS")
   if folder:
     os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "train_lm_gpu.json"), "w") as f:
+    name = "train_lm_gpu" + "".join(a.strip("-").replace("-", "_") for a in extra)
+    with open(os.path.join(folder, f"{name}.json"), "w") as f:
       json.dump(result, f, indent=1)
   return result
 
 
-def test_cuda_and_xla_backends_give_the_same_loss_curve(tmp_path):
-  result = compare("cuda", "xla", tmp_path)
+@pytest.mark.parametrize("layers", ["loop", "scan"])
+def test_cuda_and_xla_backends_give_the_same_loss_curve(tmp_path, layers):
+  result = compare("cuda", "xla", tmp_path, ["--scan-layers"] if layers == "scan" else [])
   cuda, xla = (np.asarray(result["runs"][name]["train"]) for name in ("cuda", "xla"))
   rel = np.asarray(result["rel_diff"])
   assert len(cuda) == len(xla) == STEPS
@@ -74,3 +76,7 @@ def test_cuda_and_xla_backends_give_the_same_loss_curve(tmp_path):
   assert xla[0] > 5.0 and xla[-5:].max() < xla[0] - 2.0, xla
   assert rel[0] <= FIRST_STEP_RTOL, (cuda[0], xla[0])
   assert rel.max() <= STEP_RTOL, (result["max_rel_diff_step"], rel.max())
+  # The held-out loss after the last step: the same tolerance as the training curve.
+  (_, cuda_eval), = result["runs"]["cuda"]["eval"]
+  (_, xla_eval), = result["runs"]["xla"]["eval"]
+  assert cuda_eval == pytest.approx(xla_eval, rel=STEP_RTOL)

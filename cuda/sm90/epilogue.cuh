@@ -275,14 +275,19 @@ __device__ __forceinline__ void SwiGLUBwdStaged(const GemmParams& p, const GemmT
   const int r1 = copies.r1, cc = copies.cc;
   const int r0 = AccRow(wg_thread), c0 = AccCol(wg_thread);
   // This thread's rows r0 and r0 + 8: their routes' weights and sums of <dh, h> so far.
+  // A padding row (no route) gets zero dg, du and h whatever its g and u hold, so that the
+  // weight gradients, which reduce over padding rows, never meet a value of gu that no route
+  // defines.
   const bool scaled = p.row_scale != nullptr;
   float w[2] = {1.0f, 1.0f}, dot[2] = {0.0f, 0.0f}, part_sum = 0.0f;
+  uint32_t keep[2] = {~0u, ~0u};
   if (scaled) {
     CUTE_UNROLL
     for (int i = 0; i < 2; ++i) {
       const int64_t row = part.row0 + r0 + 8 * i;
       const int32_t route = row < tile.m_end ? __ldg(p.row_tokens + row) : -1;
       w[i] = route >= 0 ? __ldg(p.row_scale + route) : 0.0f;
+      keep[i] = route >= 0 ? ~0u : 0u;
     }
   }
   // Byte offset of element (row, 8 chunk) of a (64, 32) array: chunks swizzled by row / 2, so
@@ -329,11 +334,11 @@ __device__ __forceinline__ void SwiGLUBwdStaged(const GemmParams& p, const GemmT
       const float s0 = Sigmoid(g.x), s1 = Sigmoid(g.y);
       const float silu0 = g.x * s0, silu1 = g.y * s1;
       // d silu / dg = sigmoid(g) * (1 + g * (1 - sigmoid(g))).
-      dg_bits[j] = PackBf16(dh0 * u.x * s0 * (1.0f + g.x * (1.0f - s0)),
-                            dh1 * u.y * s1 * (1.0f + g.y * (1.0f - s1)));
-      du_bits[j] = PackBf16(dh0 * silu0, dh1 * silu1);
+      dg_bits[j] = keep[j & 1] & PackBf16(dh0 * u.x * s0 * (1.0f + g.x * (1.0f - s0)),
+                                          dh1 * u.y * s1 * (1.0f + g.y * (1.0f - s1)));
+      du_bits[j] = keep[j & 1] & PackBf16(dh0 * silu0, dh1 * silu1);
       const float h0 = silu0 * u.x, h1 = silu1 * u.y;
-      h_bits[j] = PackBf16(w[j & 1] * h0, w[j & 1] * h1);  // w = 1: h's own bits
+      h_bits[j] = keep[j & 1] & PackBf16(w[j & 1] * h0, w[j & 1] * h1);  // w = 1: h's bits
       dot[j & 1] = fmaf(acc(v), h0, dot[j & 1]);
       dot[j & 1] = fmaf(acc(v + 1), h1, dot[j & 1]);
     }

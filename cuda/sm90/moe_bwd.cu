@@ -173,7 +173,7 @@ const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
         a.queue, zero_ints);
   }
   const MlpGrads mlps[2] = {
-      {a.xs, gu, a.dy_routed, a.w_gate, a.w_up, a.w_down, a.offsets, a.rows, a.weights,
+      {a.xs_in, gu, a.dy_routed, a.w_gate, a.w_up, a.w_down, a.offsets, a.rows, a.weights,
        a.block_m, E, a.R, a.H, a.I, expected, a.dgu, a.h, a.dw_parts, a.dx_routed, a.dw_gate,
        a.dw_up, a.dw_down},
       {a.x, gu_shared, a.dy, a.ws_gate, a.ws_up, a.ws_down, nullptr, nullptr, nullptr, 128, 1,

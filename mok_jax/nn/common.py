@@ -305,10 +305,12 @@ def update_bias(bias, counts, rate):
   """DeepSeek-V3 aux-loss-free balancing: bias[e] += rate * sign(mean(counts) - counts[e]).
 
   Underloaded experts become more likely to be picked, overloaded ones less. Call it once per
-  training step with that step's `MoEAux.counts` (rate: DeepSeek-V3 uses 1e-3).
+  training step with that step's `MoEAux.counts` (rate: DeepSeek-V3 uses 1e-3). Layers stacked
+  on leading axes (bias and counts (..., E)) are each balanced on their own.
   """
   counts = jax.lax.stop_gradient(counts).astype(jnp.float32)
-  return bias + rate * jnp.sign(jnp.mean(counts) - counts).astype(bias.dtype)
+  mean = jnp.mean(counts, axis=-1, keepdims=True)
+  return bias + rate * jnp.sign(mean - counts).astype(bias.dtype)
 
 
 def moe(opts: MoEOptions, x, experts, weights, w_gate, w_up, w_down, shared):

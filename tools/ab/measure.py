@@ -60,7 +60,7 @@ def kernel_ms(f, args, tag, calls=5, in_flight=0):
       if not in_flight:
         jax.block_until_ready(pending.popleft())
     jax.block_until_ready(list(pending))
-  _, kernels = trace_events(path)
+  kernels = gpu_events(path)
   total = collections.Counter()
   for e in kernels:
     total[e["name"]] += e["dur"] / calls / 1e3
@@ -71,10 +71,9 @@ def kernel_ms(f, args, tag, calls=5, in_flight=0):
   return total, float(np.median(spans)) / 1e3 if spans else 0.0
 
 
-def trace_events(path):
-  """(host events, GPU events) of the newest jax.profiler trace under `path`: its complete
-  ("X") events, the GPU ones those on a stream of a GPU process, the host ones those outside
-  GPU processes."""
+def gpu_events(path):
+  """The GPU kernels of the newest jax.profiler trace under `path`: its complete ("X") events
+  on a stream of a GPU process."""
   newest = sorted(glob.glob(f"{path}/**/*.trace.json.gz", recursive=True))[-1]
   trace = json.load(gzip.open(newest))
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
@@ -83,9 +82,7 @@ def trace_events(path):
   streams = {(e["pid"], e["tid"]) for e in events if e.get("ph") == "M"
              and e.get("name") == "thread_name" and e.get("pid") in gpu
              and "Stream" in str(e["args"].get("name", ""))}
-  complete = [e for e in events if e.get("ph") == "X"]
-  return ([e for e in complete if e.get("pid") not in gpu],
-          [e for e in complete if (e.get("pid"), e.get("tid")) in streams])
+  return [e for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams]
 
 
 def call_spans(launches, gap_us=CALL_GAP_US):
@@ -126,11 +123,8 @@ def _fingerprint(a):
 
 
 def digest(a) -> str:
-  """Ten hex digits of a fingerprint of a's bits, computed where a lives.
-
-  NOTES: it was a sha1 of an f32 copy on the host, which for dsv3 moved its weight gradients,
-  45 GB as f32, through the host and one CPU core each run (how long that took was not timed
-  apart)."""
+  """Ten hex digits of a fingerprint of a's bits, computed where a lives (dsv3's weight
+  gradients are 22.5 GB: a copy to the host would cost more than the call)."""
   first, second = (int(v) for v in np.asarray(_fingerprint(a)))
   return f"{first:08x}{second:08x}"[:10]
 
@@ -139,7 +133,7 @@ def joules(gpu, how):
   """", X.XXX J a call (W W)" over the timed calls of a timing that clocks.sampling watched
   (report.joules_a_call; the draw: the joules over the timed seconds), or "" where the GPU's
   energy was not counted. Under the power cap a call's time follows its energy: A/Bs compare
-  builds by both (docs/performance.md, Runs and machines)."""
+  builds by both (docs/performance.md, The power cap)."""
   j = report.joules_a_call(gpu, how)
   if j is None:
     return ""
@@ -147,15 +141,12 @@ def joules(gpu, how):
 
 
 def short(kernel):
-  """GemmChainKernel<GemmKind<Major A, Major B, Epilogue, Schedule>...> -> gemm<A B epi sched>;
-  DualChainKernel<chain a's first kind, ..., chain b's first kind, ...> -> dual<a>_<b> (the
-  backward's launch in builds before 2026-12-01, which A/Bs still measure)."""
+  """GemmChainKernel<GemmKind<Major A, Major B, Epilogue, Schedule>...> -> gemm<A B epi sched>
+  (the chain's first kind, e.g. gemm0030); any other kernel by its bare name."""
   kinds = ["".join(k) for k in re.findall(r"\)(\d+)[^)]*\)(\d+)[^)]*\)(\d+)[^)]*\)(\d+)",
                                              kernel)]
   if "GemmChainKernel" in kernel and kinds:
     return "gemm" + kinds[0]
-  if "DualChainKernel" in kernel and len(kinds) >= 3:
-    return f"dual{kinds[0]}_{kinds[2]}"
   return kernel.split("(")[0].split("<")[0].replace("void ", "").replace("mok::sm90::", "")
 
 

@@ -1,35 +1,37 @@
 #!/bin/bash
-# On the device machine: builds each export of runs/ab (tools/ab/export.sh) into /tmp/ab/<name>
-# with `pip install --target`, checks that each imports from there (a build that does not is
-# left out), then runs tools/ab/measure.py for every build in turn, a fresh process each,
-# ROUNDS times (default 2).
-# Usage: bash tools/ab/run.sh SHAPES (e.g. gptoss_120b,dsv3); under $OUT: ab.log (the figures)
-# and ab_logs.txt (each build's and measure's own output, one after another: the device tool
-# brings back at most 8 files, and with a file a build and a round, three builds in two rounds
-# lost some on 2026-12-01). MODES (default fwd,fwd+bwd) picks the modes measured: one of them
-# takes half the device time. MEASURE_TIMEOUT (default 300) bounds each build's measure.py, in
-# seconds (a build that hangs loses no more).
-# ROUNDS=0 only builds; SKIP_BUILD=1 measures the builds an earlier call of this run made.
-# TESTS=name[,name] runs this tree's GPU tests against those builds after the measures (their
-# last lines in ab.log, their output in ab_logs.txt), so that an A/B and the tests of the build
-# to keep fit in one call; TESTS_TIMEOUT (default 300) bounds each build's tests, in seconds.
-# ENVS="VAR=value[,VAR=value] ..." measures every build once more with each of those settings of
-# the launch choices' environment (MOK_GEMM_CLUSTER, MOK_GEMM_TAILS, MOK_WGRAD_RUN, ...; read
-# once per process, the same bits), named build@settings in ab.log: a sweep of one build's knobs
-# by time and by joules a call, which the power cap makes two different questions.
+# A/B of builds on the device machine: builds each source tree under runs/ab (made by
+# tools/ab/export.sh) into /tmp/ab/<name> with `pip install --target`, checks that each imports
+# from there (a build that does not is left out), then runs tools/ab/measure.py for every build
+# in turn, a fresh process each, ROUNDS times, and reports whether the bits of y and every
+# gradient are the same in every build.
 #
-# NOTES: an editable install of mok_jax (pip install -e) puts an import finder in front of
-# PYTHONPATH: with one present, every name measured that one build (2026-11-30). It is
-# uninstalled first; do not make one in the same call.
-# JAX's default memory settings, as the bench has them: until 2026-12-04 19:00 UTC this set
-# XLA_PYTHON_CLIENT_PREALLOCATE=false, under which dsv3's back-to-back forward+backward read
-# 17.3 J a call at 773 W by NVML's energy counter and 370 W by nvidia-smi, where with
-# preallocation the two agreed (15.9 J, 693 and 695 W; measure.py, one H200, 2026-12-04 18:57
-# UTC): likely the allocator at work inside the timed calls (not looked at further).
+# Usage: bash tools/ab/run.sh SHAPES        (bench shapes, e.g. gptoss_120b,dsv3, or tiny)
+# Output under $OUT: ab.log (measure.py's lines, prefixed by build name) and ab_logs.txt (each
+# build's, measure's and the tests' own output, one after another, so that few files come back).
+# Settings (environment):
+#   ROUNDS=n          rounds over the builds (default 2; 0: build only)
+#   SKIP_BUILD=1      measure the builds an earlier call left in /tmp/ab
+#   MODES=fwd,fwd+bwd the modes measured (default both; one of them takes half the time)
+#   MEASURE_TIMEOUT=s bound on each build's measure.py (default 300), so a hang costs no more
+#   TESTS=name[,name] run this tree's GPU tests against those builds after the measures (their
+#                     last line in ab.log), so an A/B and the tests of the build to keep fit in one
+#                     call; TESTS_TIMEOUT=s bounds each (default 300)
+#   ENVS="VAR=v[,VAR=v] ..." measure every build again with each of those settings of the
+#                     launch choices' environment, named build@settings in ab.log (the same bits;
+#                     a sweep of one build's knobs by time and by joules a call)
+# A .whl/ folder in the tree, if present, holds wheels the device machine lacks (installed into
+# /tmp/site) and import stubs (.whl/stub); both go on PYTHONPATH.
+#
+# An editable install of mok_jax puts an import finder in front of PYTHONPATH, which would make
+# every build name measure that one install: it is uninstalled first. JAX's memory settings stay
+# at their defaults, as the bench has them (with preallocation off, the allocator works inside
+# the timed calls and NVML's energy counter and nvidia-smi disagree by a factor of two).
 set -uo pipefail
 shapes=${1:?shapes}
 rounds=${ROUNDS:-2}
-python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl
+fi
 export PYTHONPATH=/tmp/site:$PWD/.whl/stub PYTHONUNBUFFERED=1
 python3 -m pip uninstall -y -q mok_jax > /dev/null 2>&1
 names=$(ls runs/ab)
