@@ -1,10 +1,10 @@
 """python -m mok_jax.bench [--shapes qwen3_30b,dsv3] [--shape T,H,I,E,k] [--tiny] [--skew [S]]
-[--shared Is] [--impls ...] [--breakdown] [--out runs/bench/bench.jsonl]; --help lists every
-option."""
+[--shared Is] [--impls ...] [--breakdown] [--out FILE.jsonl]; --help lists every option."""
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import sys
 
@@ -13,7 +13,13 @@ from mok_jax.bench.jobs import DTYPES
 from mok_jax.bench.peers import ALIASES, IMPLS, resolve
 from mok_jax.bench.shapes import FWD_STAGES, MODES, SKIP_ENV
 
-DEFAULT_OUT = os.path.join("runs", "bench", "bench.jsonl")
+
+
+def default_out() -> str:
+  """runs/bench/bench-<UTC time>.jsonl: a file of its own for every run."""
+  now = datetime.datetime.now(datetime.timezone.utc)
+  return os.path.join("runs", "bench", f"bench-{now:%Y%m%d-%H%M%S}.jsonl")
+
 # (full run, --tiny) defaults of the knobs that --tiny changes.
 DEFAULTS = {"warmup": (3, 1), "warmup_s": (0.5, 0.0), "reps": (20, 3), "min_reps": (5, 2),
             "budget_s": (3.0, 1.0), "sets": (3, 2), "peak_n": (None, 512),
@@ -24,7 +30,7 @@ def parse_args(argv):
   p = argparse.ArgumentParser(
       prog="python -m mok_jax.bench",
       description="Time the MoE layer (forward, forward+backward) for mok_jax's backends and "
-      "its peers; print a table, append JSON lines to --out, draw a PNG chart.")
+      "its peers; print a table, write JSON lines to --out, draw a PNG chart.")
   p.add_argument("--shapes", default=None,
                  help=f"comma-separated named shapes: {', '.join(shapes.SHAPES)} (default: all "
                  "four, unless --shape or --tiny is given)")
@@ -84,9 +90,10 @@ def parse_args(argv):
                  "worker is killed and that mode alone is reported as timed out (the modes "
                  "already done keep their results, those after it get a fresh worker); "
                  "default 90")
-  p.add_argument("--out", default=DEFAULT_OUT,
-                 help=f"JSON lines file to append to (default {DEFAULT_OUT}); the table goes "
-                 "next to it as .txt, the chart as .png")
+  p.add_argument("--out", default=None,
+                 help="JSON lines file of this run's records, which must not exist yet (default "
+                 "runs/bench/bench-<UTC time>.jsonl); the table goes next to it as .txt, the "
+                 "chart as .png")
   p.add_argument("--png", default=None, help="chart path (default: --out with .png)")
   p.add_argument("--logs", default=None, help="folder for the workers' logs (default: a temp "
                  "folder)")
@@ -94,6 +101,10 @@ def parse_args(argv):
                  help="measure nothing: print the table and draw the chart of the newest "
                  "records in this file (for runs split over several commands)")
   args = p.parse_args(argv)
+  if args.out is None:
+    args.out = default_out()
+  elif not args.report and os.path.exists(args.out):
+    p.error(f"--out {args.out} exists: each run writes a file of its own (name another)")
   for name, (full, tiny) in DEFAULTS.items():
     if getattr(args, name) is None:
       setattr(args, name, tiny if args.tiny else full)

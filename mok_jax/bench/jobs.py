@@ -145,17 +145,6 @@ def iter_job(job: dict):
                  env_vars=_env_vars())
 
 
-def run_job(job: dict) -> dict:
-  """The whole job at once: {"device", "records", "wall_s", "env_vars"}."""
-  result = {"device": None, "records": [], "wall_s": None, "env_vars": _env_vars()}
-  for event in iter_job(job):
-    if event["event"] == "record":
-      result["device"] = result["device"] or event["device"]
-      result["records"].append(event["record"])
-      result["wall_s"] = event["wall_s"]
-  return result
-
-
 def _jax_device_and_dtype(job):
   device = env.jax_device()
   return device, resolve_dtype(job["dtype"], device["platform"])

@@ -37,7 +37,7 @@ def read_jsonl(path: str) -> list[dict]:
 
 def write_jsonl(records: list[dict], path: str):
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, "a") as f:
+  with open(path, "x") as f:  # a run's own file, never appended to
     for record in records:
       f.write(json.dumps(record) + "\n")
 

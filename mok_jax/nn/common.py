@@ -175,11 +175,6 @@ class MoEOptions:
     return bool(self.shared_intermediate_size)
 
   @property
-  def ep_size(self) -> int:
-    """Ranks of the expert axis (1 without a mesh)."""
-    return 1 if self.mesh is None else self.mesh.shape[self.expert_axis]
-
-  @property
   def token_axes(self) -> tuple[str, ...]:
     """Mesh axes the tokens are split over inside the layer: data axes, then the expert axis."""
     if self.mesh is None:
