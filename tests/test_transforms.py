@@ -169,7 +169,7 @@ def test_grad_of_vmap(backend, dtype, s):
 
 def sgd_step(params, x, *, k, backend):
   loss, grads = jax.value_and_grad(functools.partial(scan_loss, k=k, backend=backend))(params, x)
-  return loss, jax.tree.map(lambda p, g: p - 0.02 * g.astype(p.dtype), params, grads)
+  return loss, jax.tree.map(lambda p, g: p - 1e-3 * jnp.sign(g).astype(p.dtype), params, grads)
 
 
 @pytest.mark.parametrize("backend,dtype,s", TARGETS)

@@ -16,8 +16,8 @@
 
 namespace mok::sm90 {
 
-// NOTES: an IEEE division (FCHK, a slow path, a Newton step) per value made the SwiGLU
-// epilogue a tenth of a tile's time in ncu; __fdividef is one MUFU.RCP and a multiply (2 ulp).
+// An IEEE division (FCHK, a slow path, a Newton step) per value would make the SwiGLU epilogue
+// a tenth of a tile's time (ncu); __fdividef is one MUFU.RCP and a multiply (2 ulp).
 // For g < -87, 1 + exp(-g) overflows and both give 0, as silu(g) and sigmoid(g) round to.
 //
 // exp(-g) is __expf's 2^(-g log2 e) with subnormal results flushed to zero (ex2.approx.ftz): one
@@ -102,22 +102,14 @@ __device__ __forceinline__ void StagePass(bf16_t* stage, int wg_thread, uint32_t
 // into the next group's rows (rows past the tensor, the shared expert's last, are clipped).
 // kLateAddresses hides the thread index from ptxas (Opaque), so that the staging addresses are
 // computed here, each tile, rather than hoisted out of the tile loop and held across the
-// k-loops: for the clustered launches, whose consumers have 224 registers, not 232, and spilled
-// for them.
+// k-loops: for the clustered launches, whose consumers have 224 registers, not 232, and would
+// spill for them. Only those take it: the unclustered launches spill nothing, and there it
+// costs qwen3_30b's forward-MLP launch about 2% on an H200 (6% more instructions).
 //
-// NOTES: the forward-MLP launch's GPU ms (H200, 2026-12-01 00:37-00:41 UTC, two rounds, same bits;
-// results/h200/h200_opaque_ab.txt), main (the copy-out a loop in clustered launches) against
-// Opaque in every launch (wip/ou caf6609): gptoss_120b 2.657 / 2.655 -> 2.640 / 2.646, back to back
-// 2.973 / 2.952 -> 2.895 / 2.869; dsv3 5.634 / 5.636 -> 5.590 / 5.596; but the unclustered
-// qwen3_30b 1.883 / 1.882 -> 1.916 / 1.913 (it spilled nothing; 6% more instructions). Keeping
-// the copy-out a loop as well (wip/oe f918498) gained nothing at full clock and lost 1.4-2.4% on
-// gptoss_120b back to back. TMA stores against each thread's 16-byte copy-out of four staged
-// rows (H200, 2026-12-01 01:08 UTC, one round, same bits; results/h200/h200_epilogue_ab.txt):
-// gptoss_120b 2.633 -> 2.610 ms, back to back 2.908 -> 2.894; qwen3_30b 1.876 -> 1.867, 2.017
-// -> 2.008; dsv3 5.584 -> 5.594, 5.846 -> 5.773. Without any copy-out (a diagnostic, wrong
-// results) the launch took 4.5% less on gptoss_120b, without the whole epilogue 6.6%: most of
-// what the copy-out costs stays with TMA stores (their traffic, or each pass's wait for its
-// store to read the staging), not in the copy loop they replace.
+// Against each thread's 16-byte copy-out of four staged rows, the TMA stores take up to about
+// 1% off the forward-MLP launch on an H200. Most of what the copy-out costs (4.5% of that launch
+// on gptoss_120b) stays with them, in their traffic or each pass's wait for its store to read
+// the staging, not in a copy loop (docs/performance.md).
 template <class Kind, bool kLateAddresses, class Smem, class Accum>
 __device__ __forceinline__ void StageAndStore(const GemmParams& p, const GemmTile& tile,
                                               Smem& smem, int thread, WarpgroupPart part,
@@ -191,24 +183,23 @@ __device__ __forceinline__ void StageAndStore(const GemmParams& p, const GemmTil
 // then the passes': the same bits whatever the tile's shape), and the epilogue goes on with
 // w dh, storing w h for dw_down's A (GemmParams). Without it (the shared expert) w is 1.
 //
-// NOTES: the sums cost registers where the accumulators and the g, u two passes ahead fill the
-// 168 a thread: summing each thread's values over 128 columns before the butterfly spilled
-// (72-196 bytes, some in the k-loop), and <dh, round(h)> took an unpack more a value; as here
-// 4-12 bytes spill, outside the loops. dgu may be
-// gu itself (mok_jax.ops.bwd_aliases): a thread reads each 16-byte chunk of g and u before it
-// writes dg or du there, and no other thread reads that chunk, so no load (the read-only path's
-// included) sees a chunk after its store.
+// The sums cost registers where the accumulators and the g, u two passes ahead fill the 168 a
+// thread: summing each thread's values over 128 columns before the butterfly would spill 72-196
+// bytes, some in the k-loop, and <dh, round(h)> would take an unpack more a value; as here 4-12
+// bytes spill, outside the loops.
 //
-// NOTES: done from registers, with 4-byte loads and stores at the accumulator positions, this
-// epilogue took twice the mainloop's time on qwen3_30b (ncu: 28% SM throughput, 70% of the
-// samples outside the mainloop, waiting on gu). Staged, but value by value (load g and u,
-// compute, store dg and du, each value's loads behind the stores of the one before), with h
-// staged after dg | du had left (five barriers a pass) and g, u one pass ahead, it still took a
-// third of the launch: qwen3_30b 0.92 ms, 0.59 without it (a diagnostic build); ncu put 36% of
-// the launch's stall samples in it, half of them short-scoreboard and fixed-latency waits on
-// those chains. As now, the launch took (H200, 2026-12-01, two rounds, same bits): qwen3_30b
-// 0.940 / 0.955 -> 0.886 / 0.883 ms, gptoss_120b 1.343 / 1.339 -> 1.253 / 1.243, dsv3 2.457 /
-// 2.478 -> 2.374 / 2.387, mixtral 3.475 / 3.495 -> 3.308 / 3.360.
+// dgu may be gu itself (mok_jax.ops.bwd_aliases): a thread reads each 16-byte chunk of g and u
+// before it writes dg or du there, and no other thread reads that chunk, so no load (the
+// read-only path's included) sees a chunk after its store.
+//
+// Why staged, with all of a step's loads first: done from registers, with 4-byte loads and
+// stores at the accumulator positions, this epilogue would take twice the mainloop's time on
+// qwen3_30b (ncu: 70% of the samples outside the mainloop, waiting on gu); staged value by value
+// (each value's loads behind the stores of the one before, g and u one pass ahead), a third of
+// the launch, mostly in short-scoreboard and fixed-latency waits on those chains. On an H200
+// this form takes the SwiGLU backward's launch 3.5-7% less than value by value on the four
+// bench shapes (docs/performance.md).
+
 // Where a consumer thread's 16-byte copies of the SwiGLU backward's passes lie (32 columns a
 // pass): chunk cc of rows r1 and r1 + 32 of its warpgroup's 64-row slab, of g and of u (q = 0,
 // 1: g; 2, 3: u) in gu, and the same in dgu and h. Once a tile, not at each copy.
@@ -392,10 +383,10 @@ __device__ __forceinline__ void SwiGLUBwdStaged(const GemmParams& p, const GemmT
 // staging, while the warpgroup goes straight on to its next tile's MMAs. It waits for that
 // read only at its next epilogue, before it writes the staging again.
 //
-// NOTES: the weight-gradient launch alone (H200, 2026-12-01, tools/ab, same bits): the
-// warpgroup's first thread issuing the stores -> a storer thread, gptoss_120b 4.15 -> 3.59 ms,
-// dsv3 9.01 -> 8.95. The storer warps copying the slab out with 16-byte st.global (a warp a
-// row's 512 bytes) instead of TMA: gptoss_120b 3.48 -> 3.62, dsv3 8.82 -> 10.80.
+// On an H200 a storer thread, rather than the warpgroup's first thread, issuing the stores takes
+// about 13% off gptoss_120b's weight-gradient launch; the storer warps copying the slab out with
+// 16-byte st.global (a warp a row's 512 bytes) instead of TMA stores would cost dsv3's launch
+// about 20% (docs/performance.md).
 struct SlabJob {
   int32_t slot;    // the chain slot whose o0 / o1 take the slab; -1: the chain has ended
   int32_t row;     // the slab's first row in o0 / o1 (group * m + the slab's row in the group)

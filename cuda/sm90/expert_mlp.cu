@@ -1,4 +1,4 @@
-// The launches declared in expert_mlp.cuh, in this one translation unit (NOTES there).
+// The launches declared in expert_mlp.cuh, in this one translation unit (why: expert_mlp.cuh).
 #include "expert_mlp.cuh"
 
 #include "gemm_launch.cuh"

@@ -67,14 +67,13 @@ __device__ __forceinline__ uint4 LoadBf16x8(const float* p) {
 // token reads x[t] once and writes its k copies, so x streams from HBM once; the CTAs past the
 // tokens' take an expert each, whose padding rows (fewer than block_m) their warps zero, a row a
 // warp. The forward gathers x, the backward dy (bf16 copies as they are; f32 rounds to bf16).
+// The backward's dy is copied unscaled: the SwiGLU backward's epilogue applies each route's
+// weight and takes dweights (epilogue.cuh).
 //
-// NOTES: a warp a routed row, in the routed order, made a token's k copies at k distant times,
-// by then evicted from L2 where x outgrows it (qwen3_30b's 67 MB, dsv3's 59 MB). tools/ab, one
-// H200, 2026-12-01 02:05 UTC, same bits: the gather took qwen3_30b 0.242 -> 0.170 ms, gptoss_120b
-// 0.094 -> 0.078, dsv3 0.239 -> 0.199; the forward back to back 2.646 -> 2.547, 3.293 -> 3.247,
-// 6.752 -> 6.612 ms. Until 2026-12-04 the backward scaled dy by each route's weight here and took
-// dweights from <dy, y_routed> (so y_routed was a residual): 0.31 ms of dsv3's call against
-// this gather's 0.2 (the SwiGLU backward's epilogue now takes them: epilogue.cuh).
+// A warp a token, not a warp a routed row: in the routed order a token's k copies would be made
+// at k distant times, by then evicted from L2 where x outgrows it (qwen3_30b's 67 MB, dsv3's
+// 59 MB); on an H200 qwen3_30b's gather takes 0.170 ms this way against 0.242
+// (docs/performance.md).
 constexpr int kGatherBatch = 4;  // 16-byte chunks a lane in flight before their stores
 
 template <class D>

@@ -18,7 +18,7 @@
 namespace mok::sm90 {
 
 struct GemmConfig {
-  // NOTES: a 128 x 256 tile over two consumer warpgroups (64 x 256 each, one
+  // A 128 x 256 tile over two consumer warpgroups (64 x 256 each, one
   // wgmma.m64n256k16 per k16 step) keeps 128 f32 accumulators per thread and reads 48 KB of
   // shared memory per 64-deep k-step; four stages (192 KB) cover L2 latency (the weight
   // gradients: GemmKind::kBlockK, kStages).
@@ -29,14 +29,13 @@ struct GemmConfig {
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
   // setmaxnreg: the producer needs few registers; consumers hold the accumulators. In clusters
-  // of two (ScheduleUnit) the producer's scheduling of units spilled at 40. The two splits use
-  // all of the 168 x 384 registers the launch gives a CTA (64,512), which is all setmaxnreg
-  // can hand out: 48 and 232 (65,536) hung, the consumers waiting in setmaxnreg.inc.
+  // of two (ScheduleUnit) the producer's scheduling of units would spill at 40. The two splits
+  // use all of the 168 x 384 registers the launch gives a CTA (64,512), which is all setmaxnreg
+  // can hand out: 48 and 232 (65,536) hang, the consumers waiting in setmaxnreg.inc.
   //
-  // NOTES: with the forward's tails (kTail) the producer spills 16 bytes at 40; the clustered
-  // consumers at 224 spilled 72 / 236 bytes (stores / loads) outside their k-loops until the
-  // epilogue computed its addresses late (StageAndStore's kLateAddresses): none since (ptxas and
-  // the SASS, 2026-12-01; docs/performance.md).
+  // With the forward's tails (kTail) the producer spills 16 bytes at 40; the clustered
+  // consumers at 224 spill nothing outside their k-loops because the epilogue computes its
+  // addresses late (StageAndStore's kLateAddresses; docs/performance.md).
   static constexpr uint32_t kProducerRegs = 40;
   static constexpr uint32_t kConsumerRegs = 232;
   static constexpr uint32_t kClusterProducerRegs = 56;
@@ -92,34 +91,28 @@ struct GemmKind {
   // and keep the room of three 64-deep pipeline stages for it; the others stage 64 columns at a
   // time beside four stages.
   //
-  // NOTES: a weight-gradient tile has 2 to 6 k-steps and a 64 KB output tile: with 16-byte
-  // st.global stores (or TMA stores from two 4 KB halves, which the warpgroup waits on in
-  // turn), its epilogue was a third of its time; with this store the launch took dsv3 11.36 ->
-  // 10.18 ms, gptoss_120b 4.28 -> 4.24 (H200, 2026-11-29; on code that spilled registers it
-  // measured 3-5% slower). Three stages everywhere made the forward slower (qwen3_30b 2.61 ->
-  // 2.83 ms).
+  // A weight-gradient tile has 2 to 6 k-steps and a 64 KB output tile: with 16-byte st.global
+  // stores (or TMA stores from two 4 KB halves, which the warpgroup waits on in turn) its
+  // epilogue is a third of its time; staged whole, dsv3's launch takes about 10% less on an H200
+  // (docs/performance.md). The forward keeps four stages: three make it slower (qwen3_30b about
+  // 8% on an H200).
   static constexpr bool kTmaStore = kEpi_ == Epilogue::kStore && kSched_ == Schedule::kGroupedK;
   // The bf16 outputs that leave through TMA stores (o0, o1): the weight gradients' (kTmaStore)
   // and the row-grouped ones' (StageAndStore: the forward's, dx_r); not the SwiGLU backward's.
   static constexpr bool kStoresByTma = kEpi_ == Epilogue::kStore || kEpi_ == Epilogue::kSwiGLU;
   // The weight gradients' stages are half as deep (32 of k) and twice as many, in the same
-  // 144 KB: with 48 KB stages the producer could refill only one while the consumers held two,
-  // and the consumers waited for a stage's bytes in 28% of their samples (ncu, gptoss_120b,
-  // H200, 2026-11-30). Their operands are MN-major, whose panels need no 64-deep swizzle atom.
-  // The bits are those of 64-deep stages: the same k16 MMAs in the same order.
-  //
-  // NOTES: H200, 2026-11-30, 64 -> 32 deep, alternating in one process: the weight-gradient
-  // launch took gptoss_120b 4.13 -> 3.72 ms, dsv3 9.37 -> 8.30, mixtral 9.78 -> 9.54, qwen3_30b
-  // 1.94 -> 1.93.
+  // 144 KB: with 48 KB stages the producer can refill only one while the consumers hold two,
+  // and the consumers wait for a stage's bytes in 28% of their samples (ncu, gptoss_120b, H200);
+  // 32 deep, gptoss_120b's weight-gradient launch takes about 10% less on an H200. Their
+  // operands are MN-major, whose panels need no 64-deep swizzle atom. The bits are those of
+  // 64-deep stages: the same k16 MMAs in the same order.
   //
   // The runs (kRuns) keep B in its stages and load only A, whose k-steps reach a CTA at about
-  // 16 KB a microsecond however deep they are (globaltimer marks, dsv3, H200, 2026-12-02): there
-  // 64-deep steps, three stages of them, halve the loads and barrier rounds a tile. dsv3's
-  // launch back to back 8.98, 8.81 -> 8.48, 8.49 ms, its forward+backward 24.03, 24.09 ->
-  // 23.53, 23.51 ms a call (tools/ab, two rounds, same bits; docs/performance.md, The weight
-  // gradients in runs). Loading a last k-step of at most 32 rows as one 32-deep box a panel,
-  // so that no padding rows are loaded, was slower (9.07 against 8.25-8.42): more TMA boxes a
-  // tile.
+  // 16 KB a microsecond however deep they are (globaltimer marks, dsv3, H200): there 64-deep
+  // steps, three stages of them, halve the loads and barrier rounds a tile, and dsv3's
+  // weight-gradient launch takes about 5% less back to back on an H200 (docs/performance.md, The
+  // weight gradients in runs). Loading a last k-step of at most 32 rows as one 32-deep box a
+  // panel, so that no padding rows are loaded, is slower: more TMA boxes a tile.
   static constexpr int kBlockK = kTmaStore && !kRuns_ ? 32 : 64;
   static constexpr int kStages = kTmaStore ? (kRuns_ ? 3 : 6) : 4;
   static_assert(kBlockK == 64 || (!kKMajorA && !kKMajorB),
@@ -129,8 +122,8 @@ struct GemmKind {
   // The expert GEMMs over routed rows that store plainly (the forward's, and dx_r in the
   // backward) take a group's last rows past a multiple of 128 (its tail) into its last full row
   // tiles, kTailRows a tile, instead of a row tile of their own: the stage holds them beside A
-  // and they multiply the B already there (MmaTile, TailCount). Not the SwiGLU backward: its
-  // tails were slower on three of the four bench shapes (docs/performance.md).
+  // and they multiply the B already there (MmaTile, TailCount). Not the SwiGLU backward: there
+  // tails are slower on three of the four bench shapes (docs/performance.md).
   static constexpr bool kTail = kSched_ == Schedule::kRowsByGroup && kKMajorA &&
                                 kEpi_ != Epilogue::kSwiGLUBwd;
 };
@@ -138,10 +131,10 @@ struct GemmKind {
 // The rows of a group's tail that ride in one full row tile (four stages of them fit beside
 // the forward's 192 KB of stages).
 //
-// NOTES: a half tile (64 rows) streams all of its B for half of a full tile's MMAs, and in the
-// forward-MLP launch the bytes into shared memory are what bound it: on gptoss_120b's shape,
-// 256 routes an expert took the launch 2.40 ms, the bench's 256 +- 16 took 2.74 (H200,
-// 2026-11-30; docs/performance.md).
+// A tail in a row tile of its own would be a half tile (64 rows), which streams all of its B for
+// half of a full tile's MMAs, and in the forward-MLP launch the bytes into shared memory are
+// what bound it: on an H200, gptoss_120b's shape takes that launch 2.40 ms with 256 routes an
+// expert, 2.74 with the bench's 256 +- 16 and such half tiles (docs/performance.md).
 constexpr int kTailRows = 16;
 
 // Host-built arguments of one grouped GEMM launch.

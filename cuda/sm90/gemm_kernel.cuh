@@ -21,10 +21,10 @@ namespace mok::sm90 {
 // k-steps does not stall the producer on the consumers' epilogues.
 constexpr int kTileSlots = 4;
 
-// NOTES: the consumers used to schedule each tile themselves from its linear index, all 256
-// threads repeating ScheduleTile's 64-bit divisions before the first MMA; on the weight
-// gradients' tiles of 2-3 k-steps that code held about a fifth of the warps' stall samples
-// (ncu, dsv3, H200, 2026-11-30).
+// The producer thread schedules each tile once and hands it over here, so that the 256 consumer
+// threads do not each repeat ScheduleTile's 64-bit divisions before the first MMA: on the weight
+// gradients' tiles of 2-3 k-steps that code would hold about a fifth of the warps' stall
+// samples (ncu, dsv3, H200).
 struct ChainSmem {
   int64_t first_tile[kMaxChain + 1];  // GEMM i's tiles are [first_tile[i], first_tile[i + 1])
   GemmTile slot_tile[kTileSlots];     // the tile handed to the consumers, scheduled
@@ -328,12 +328,8 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
       // stores (StageAndStore) have completed when its storer's wait returns, and each thread
       // orders its own plain stores (a tail's) before async-proxy reads; the barrier puts all
       // of them before thread 0's release, which is cumulative: no thread needs a GPU-scope
-      // fence of its own.
-      //
-      // NOTES: with a __threadfence in every thread as well (before 68714e2) the
-      // forward-MLP launch took qwen3_30b 1.899 / 1.900 ms against 1.877 / 1.878, gptoss_120b
-      // 2.721 / 2.730 against 2.713 / 2.713, dsv3 the same (H200, two rounds, same bits;
-      // results/h200/h200_publish_ab.txt).
+      // fence of its own (a __threadfence in every thread as well costs qwen3_30b's
+      // forward-MLP launch about 1% on an H200).
       auto publish = [&](auto s) __attribute__((always_inline)) {
         constexpr int kSlot = decltype(s)::value;
         if (c.ready_base[kSlot] >= 0) {
@@ -449,7 +445,7 @@ __global__ void __launch_bounds__(GemmConfig::kThreads, 1)
   extern __shared__ uint8_t smem_raw[];
   using C = GemmConfig;
   // The weight gradients' producer also keeps the runs of its queue (ChainParams::run_tiles),
-  // which spilled at kProducerRegs; their consumers fit in the clustered launches' split.
+  // which would spill at kProducerRegs; their consumers fit in the clustered launches' split.
   constexpr bool kWideProducer = kClusterM > 1 || Kind0::kRuns;
   if (threadIdx.x < 128) {
     SetMaxRegistersDec<kWideProducer ? C::kClusterProducerRegs : C::kProducerRegs>();

@@ -60,11 +60,8 @@ inline int RasterRows() {
 // tiles side by side, which share its rows of A). Many: a band of eight row tiles already
 // shares B through L2, and the pairs' lockstep costs more than the bytes save.
 //
-// NOTES: tools/ab, one H200, 2026-11-30 12:25-12:33 UTC, same bits, one CTA a tile -> clusters
-// on every launch (GPU ms of the forward-MLP launch at full clock; a forward back to back at
-// the power limit): dsv3 (R / E 255) 6.23 -> 5.87, 7.21 -> 6.94; gptoss_120b (383) 2.73 ->
-// 2.70, 3.33 -> 3.29; qwen3_30b (1151) 1.83 -> 1.85, 2.53 -> 2.56; mixtral (2175) 7.55 ->
-// 7.73, 9.14 -> 9.02.
+// On an H200, clusters take about 6% off dsv3's forward-MLP launch (R / E 255) and about 1% off
+// gptoss_120b's (383), and add about 1% to qwen3_30b's (1151) (docs/performance.md).
 constexpr int64_t kClusterRows = 512;
 
 inline bool FewRowsPerGroup(const GemmParams& p) {
@@ -76,10 +73,8 @@ inline bool FewRowsPerGroup(const GemmParams& p) {
 // saves a row tile that streams all of B; the others take only tails of at most kTailRows,
 // in their last full row tile. MOK_GEMM_TAILS overrides (a diagnostic; 0 = no tails).
 //
-// NOTES: tools/ab/measure.py, one H200, 2026-11-30 19:38 UTC, same bits; GPU ms of the
-// forward-MLP launch at full clock, then back to back, with at most 1 / 2 / 8 tails a group:
-// gptoss_120b 2.94 (an outlier: 2.78 in forward+backward) / 2.67 / 2.66, b2b 2.98 / 2.93 /
-// 2.95; mixtral 7.51 / 7.62 / 8.09, b2b 8.51 / 8.67 / 9.06; qwen3_30b and dsv3 within 1%.
+// On an H200, up to eight tails a group instead of one would add about 8% to mixtral's
+// forward-MLP launch (docs/performance.md).
 inline int MaxTails(const GemmParams& p) {
   static const int forced = EnvOverride("MOK_GEMM_TAILS", 0, 1 << 20);
   if (forced >= 0) return forced;
@@ -93,11 +88,9 @@ inline int MaxTails(const GemmParams& p) {
 // one expert (a band of the tile order, RasterRows), load B's k-tiles once; else tiles one at a
 // time. MOK_WGRAD_RUN overrides (a diagnostic; 1 = tiles).
 //
-// NOTES: H200, 2026-12-01, tools/ab, forward+backward, two rounds: dsv3's weight-gradient launch
-// 8.41, 8.43 -> 7.82, 7.98 ms (wall 23.39, 23.50 -> 22.92, 22.98); the other bench shapes take
-// no runs and the same kernel as before. With the runs' ring and 56/224 split in the one kernel
-// of every shape, those without runs took 3-5% longer (gptoss_120b 3.64 -> 3.81 ms), hence
-// BwdWeightRuns; in the 40/232 split the runs' producer spills 36 bytes and dsv3 took 8.18, 8.48.
+// On an H200 the runs take about 6% off dsv3's weight-gradient launch (docs/performance.md).
+// They are a kernel of their own (BwdWeightRuns): the runs' ring and 56/224 register split would
+// make the launches without runs 3-5% slower, and in the 40/232 split the runs' producer spills.
 constexpr int kRunTiles = 8;
 constexpr int64_t kRunRoutes = 160;
 
@@ -292,9 +285,8 @@ const char* ChainTiles(const ChainParams& c, int64_t* tiles) {
 // whether a launch bound by HBM or by its stores gives the same time on fewer SMs for less
 // energy, which the power cap turns into time).
 //
-// NOTES: dsv3 forward+backward, main f6ae8ec, one H200, 2026-12-04 18:20 UTC (tools/ab, same
-// bits): the weight-gradient launch 7.75 ms on 132 CTAs, 8.56 on 116, 9.33 on 100, near
-// 132 / n times as long: what bounds it is in each SM, not shared (docs/performance.md).
+// On an H200, dsv3's weight-gradient launch takes near 132 / n times as long on n CTAs (9.33 ms
+// on 100 against 7.75 on 132): what bounds it is in each SM, not shared (docs/performance.md).
 template <Schedule kSched>
 int LaunchCtas(int sms) {
   static const int forced = EnvOverride(

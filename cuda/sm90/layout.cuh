@@ -10,9 +10,8 @@
 //                 offsets[E] = -1.
 //
 // They also clear what the launches after them count in (`zero`, the forward's tile queue), so
-// that a forward calls no cudaMemsetAsync: each cost the handler 6-30 us of host time while the
-// GPU waited for its next launch (jax.profiler, gptoss_120b, H200, 2026-11-30). Back to back the
-// two builds measured the same (docs/performance.md).
+// that a forward calls no cudaMemsetAsync: each costs the handler 6-30 us of host time while the
+// GPU waits for its next launch (gptoss_120b on an H200; docs/performance.md).
 //
 // Ranks come from warp match + popc and fixed-order scans: no atomics, so every run gives the
 // same layout, with each expert's routes in ascending (t, j) order as the CPU target has them.
@@ -64,9 +63,9 @@ __global__ void __launch_bounds__(1024)
                         int32_t* rows) {
   __shared__ int32_t scan[1024];
   const int e = threadIdx.x;
-  // Eight chunks' counts loaded before they are rewritten: one at a time, each load waited for
-  // the store before it (the same array), and qwen3_30b's 128 chunks took this kernel 0.018 ms;
-  // eight at a time 0.011 (H200, 2026-12-01).
+  // Eight chunks' counts are loaded before they are rewritten: loaded one at a time, each load
+  // waits for the store before it (the same array); on an H200 qwen3_30b's 128 chunks take this
+  // kernel 0.011 ms this way, 0.018 one at a time.
   constexpr int kBatch = 8;
   int total = 0;
   if (e < E) {

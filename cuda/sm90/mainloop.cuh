@@ -266,7 +266,7 @@ struct NoTail {
 // accumulators with acc's (fence()): a tail tile's (TailMma).
 // kLastK16: the k16 blocks of the last k-step that are multiplied; a weight-gradient tile's
 // last ones may hold only padding rows (GemmTile::idle_k16). A compile-time count, peeled off
-// the loop: a run-time guard around the wgmmas made ptxas serialize them (C7520).
+// the loop: a run-time guard around the wgmmas makes ptxas serialize them (C7520).
 template <class Kind, int kClusterM, int kLastK16, class Mma, class FragA, class FragB,
           class Smem, class Accum, class Ring, class Extra = NoTail>
 __device__ __forceinline__ void MmaSteps(Mma& mma, const FragA& tCrA, const FragB& tCrB,
@@ -414,8 +414,8 @@ __device__ __forceinline__ void MmaTile(const GemmTile& tile, Smem& smem, int th
 // p of kSwiGLU's B, [w_gate 128 | w_up 128], is gate panel p and up panel p (a warpgroup
 // needs a column's g and u); of the others, columns [128 p, 128 p + 128).
 //
-// NOTES: before, the second warpgroup of a half tile idled while the first multiplied 64 x
-// 256, so a half tile took as long as a full one (Config(block_m=64) within 3% of 128).
+// Splitting the work this way keeps both warpgroups busy: were one to multiply 64 x 256 while
+// the other idled, a half tile would take as long as a full one.
 template <class Kind>
 struct SplitLayouts {
   using TiledMma = decltype(cute::make_tiled_mma(

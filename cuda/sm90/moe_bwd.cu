@@ -93,8 +93,8 @@ const char* DataGradChains(const MlpGrads* mlps, int count, ChainParams* down_ch
 // the padding rows are zero. Launched as `Kind` (BwdWeights, or BwdWeightRuns for run_tiles >
 // 1), whose depth of k-steps the operands' tensor maps take, on the tile queue `queue`.
 //
-// NOTES: with block_m = 128, a group's padded rows were 25% (gptoss_120b, 256 routes an expert
-// on average) to 47% (dsv3, 128) more than its routes, all of them multiplied as k-steps.
+// Stopping there matters: with block_m = 128 a group's padded rows are 25% (gptoss_120b, 256
+// routes an expert on average) to 47% (dsv3, 128) more than its routes.
 template <class Kind>
 const char* LaunchWeightGrads(const MlpGrads* mlps, int count, int run_tiles, int32_t* queue,
                               cudaStream_t stream) {
@@ -136,10 +136,9 @@ const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
   const int mlp_count = a.Is > 0 ? 2 : 1;
   const int64_t routes = a.T * a.k;
   const int64_t expected = ExpectedRoutedRows(routes, a.R, a.ranks);
-  // Without recompute xs is the forward's (a residual): no gather of it.
-  //
-  // NOTES: the gather took 0.19 ms of dsv3's forward+backward, 0.08 of gptoss_120b's (H200,
-  // 2026-12-02, tools/ab); keeping xs costs b R H bytes of residuals a layer (README, Memory).
+  // Without recompute xs is the forward's (a residual): no gather of it, which saves 0.19 ms of
+  // dsv3's forward+backward on an H200; keeping xs costs b R H bytes of residuals a layer
+  // (README, Memory).
   const int64_t queue_ints = TileQueueInts(a.T, a.k, a.E);
   if (a.recompute) {
     sm90::GatherKernel<<<sm90::GatherCtas(a.T, E), 256, 0, stream>>>(
@@ -183,10 +182,9 @@ const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
   // weights, each a launch of its own. dx_r comes last because its rows take the buffer of xs,
   // which the weight gradients read.
   //
-  // NOTES: until 2026-12-02 dx_r was f32 (4 R H bytes, over xs and dy_r both), and the
-  // combine summed f32 rows; each route's dx is now rounded to x's dtype, as each route's
-  // output is in the forward, which halves what dx_r writes and the combine reads (qwen3_30b:
-  // 1.1 GB each way a call). docs/performance.md, dx of each route in bf16.
+  // Each route's dx is rounded to x's dtype, as each route's output is in the forward: against
+  // f32 rows this halves what dx_r writes and the combine reads (qwen3_30b: 1.1 GB each way a
+  // call; docs/performance.md, dx of each route in bf16).
   ChainParams down, dx;
   if (auto err = DataGradChains(mlps, mlp_count, &down, &dx)) return err;
   down.queue = a.queue + 1, dx.queue = a.queue + 3;
@@ -197,13 +195,10 @@ const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
                                : LaunchWeightGrads<sm90::BwdWeights>(mlps, mlp_count, run_tiles,
                                                                      a.queue + 2, stream))
     return err;
-  // NOTES: until 2026-12-01 the two ran in one launch (DualChainKernel: 40% of the CTAs
-  // started on dx_r, the rest on the weight gradients, each going on to the other chain when
-  // its own ran out), so that HBM served the weights' reads and their gradients' writes at
-  // once. Apart, with the weight gradients' stores issued by storer threads, the two took
-  // 1.6-6.5% less on all four bench shapes (H200, tools/ab; docs/performance.md, The
-  // backward's dx_r and weight gradients apart). Apart, dx_r runs in clusters of two where
-  // experts have few rows (UseClusters), which a dual launch cannot.
+  // dx_r and the weight gradients are separate launches rather than one that shares its CTAs
+  // between the two chains: on an H200 this takes 1.6-6.5% less than one dual launch on the
+  // four bench shapes, and dx_r can run in clusters of two where experts have few rows
+  // (UseClusters) (docs/performance.md, The backward's dx_r and weight gradients apart).
   if (auto err = sm90::LaunchQueued<sm90::BwdGateUp, sm90::BwdGateUp>(dx, stream)) return err;
   sm90::CombineKernel<bf16, bf16><<<static_cast<unsigned>(CeilDiv(a.T, 8)), 256, 0, stream>>>(
       static_cast<const bf16*>(a.dx_routed),

@@ -64,7 +64,7 @@ __device__ __forceinline__ bool BarrierTryWaitCluster(uint32_t addr, uint32_t pa
   return done != 0;
 }
 
-// NOTES: a legitimate wait lasts microseconds (milliseconds under compute-sanitizer); one of
+// A legitimate wait lasts microseconds (milliseconds under compute-sanitizer); one of
 // four seconds is a pipeline bug, and trapping turns a hung GPU into an error that XLA reports.
 constexpr uint64_t kWaitBoundNs = 4'000'000'000ull;
 
@@ -91,7 +91,7 @@ __device__ __forceinline__ void BarrierWaitCluster(uint64_t* bar, uint32_t parit
 }
 
 // BarrierWait without the bound, for the consumers' wait on the tile ring: the bound's timer
-// and trap, inlined in the persistent tile loop, made ptxas spill there. Sound because the
+// and trap, inlined in the persistent tile loop, make ptxas spill there. Sound because the
 // producer publishes every tile before any wait that can trap.
 __device__ __forceinline__ void BarrierWaitLean(uint64_t* bar, uint32_t parity) {
   const uint32_t addr = SmemAddr(bar);
@@ -287,9 +287,8 @@ __device__ __forceinline__ uint32_t MapShared(uint32_t addr, uint32_t rank) {
 // consumer's release of a stage, whose reads (wgmma, already waited for) are all that the
 // peer's TMA must follow.
 //
-// NOTES: the .release.cluster form compiles to MEMBAR.ALL.GPU, which waits for the thread's
-// outstanding global stores; in every k-step that made the clusters 1.5x slower (H200,
-// 2026-11-30, wip/cluster-ps).
+// The .release.cluster form would compile to MEMBAR.ALL.GPU, which waits for the thread's
+// outstanding global stores: in every k-step, that makes the clusters 1.5x slower (H200).
 __device__ __forceinline__ void BarrierArriveRemote(uint64_t* bar, uint32_t rank) {
   asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(
                    MapShared(SmemAddr(bar), rank))

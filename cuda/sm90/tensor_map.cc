@@ -8,17 +8,13 @@ namespace mok::sm90 {
 namespace {
 
 // No L2 promotion: a miss fetches the sectors a box row asks for, not the 256 bytes around
-// them. Measured faster where the launches read most (below); not measured why. Every box row
+// them. Measured faster where the launches read most; why is not measured. Every box row
 // here is 128 bytes of a matrix whose rows lie kilobytes apart: 256-byte promotion fetches a
 // neighbouring 128 bytes that another k-step or tile reads, if at all, through an L2 whose
 // fabric between its two partitions ncu finds 96-99% busy in these launches.
 //
-// NOTES: tools/ab, one H200, 2026-11-30 09:58-10:05 UTC, same bits, 256B -> 128B -> none (GPU
-// ms of the launch in a forward): forward MLPs gptoss_120b 2.80 -> 2.72 -> 2.73, dsv3 6.66 ->
-// 6.22 -> 6.29; in forward+backward, dsv3's SwiGLU backward 2.85 -> 2.63 -> 2.62 and its dual
-// launch 12.76 -> 13.20 -> 13.32. Back to back: gptoss_120b forward 3.45 -> 3.39 -> 3.37 ms,
-// forward+backward 12.04 -> 12.09 -> 12.04; dsv3 7.59 -> 7.42 -> 7.30 and 26.24 -> 25.91 ->
-// 25.45.
+// On an H200, dsv3's forward+backward takes about 3% less back to back than with 256-byte
+// promotion (docs/performance.md, L2 promotion of the TMA loads).
 constexpr CUtensorMapL2promotion kPromotion = CU_TENSOR_MAP_L2_PROMOTION_NONE;
 
 PFN_cuTensorMapEncodeTiled_v12000 EncodeTiled() {

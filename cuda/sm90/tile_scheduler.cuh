@@ -1,8 +1,8 @@
 // Which output tile a linear tile index is, and over which reduction range (the launch's
 // device queue hands the indices out in order, gemm_kernel.cuh). Within a group the tiles come
 // in bands of raster_rows row tiles, rows fastest inside a band, so the CTAs busy at once share
-// a few weight column panels and a few row blocks of A. Column tiles fastest instead made every
-// row tile re-read all of a large expert's weights from HBM (mixtral's gate|up: 235 MB per
+// a few weight column panels and a few row blocks of A. Column tiles fastest instead would make
+// every row tile re-read all of a large expert's weights from HBM (mixtral's gate|up: 235 MB per
 // expert, 16 row tiles). The group offsets live in shared memory: finding a tile's group is a
 // short search there, not a chain of global loads at the start of every tile. Row tiles are
 // numbered without gaps, so that every index up to the last is work (block_m = 64 would
@@ -101,9 +101,9 @@ __device__ __forceinline__ void ScanGroups(int groups, int lane, Count count, in
 // kBlockM used rows and at most max_tails (and its full row tiles) suffice; else 0, and its last
 // rows are a row tile of their own.
 //
-// NOTES: that row tile streams all of B for a few rows: a half tile costs nearly a full one
-// where the bytes into shared memory bound the launch, a tail about a sixteenth (2 KB a 48 KB
-// stage, and m64n16 MMAs).
+// Such a row tile streams all of B for a few rows: a half tile costs nearly a full one where the
+// bytes into shared memory bound the launch, a tail about a sixteenth (2 KB a 48 KB stage, and
+// m64n16 MMAs).
 __device__ __forceinline__ int TailCount(const int32_t* offsets, const int32_t* used_end, int g,
                                          int max_tails) {
   constexpr int kM = GemmConfig::kBlockM;
@@ -255,9 +255,9 @@ __device__ __forceinline__ GemmTile ScheduleTile(const GemmParams& p, const int3
     const int64_t k_end = used_end ? used_end[t.group]
                           : offsets ? offsets[t.group + 1] : p.m_total;
     t.num_k = static_cast<int>((k_end - t.k_begin + kBlockK - 1) / kBlockK);
-    // NOTES: dsv3's 128 +- 11 routes an expert end half of its weight-gradient tiles in a
-    // 64-deep k-step of 1-22 used rows, which multiplied 64; skipping the rest took its launch
-    // 7.86, 7.94 -> 7.73, 7.81 ms at full clock (H200, 2026-12-02, tools/ab, same bits).
+    // dsv3's 128 +- 11 routes an expert end half of its weight-gradient tiles in a 64-deep
+    // k-step of 1-22 used rows: the k16 blocks past them are not multiplied (idle_k16), which
+    // on an H200 takes about 1.7% off that launch.
     const int last_rows = static_cast<int>(k_end - t.k_begin) - (t.num_k - 1) * kBlockK;
     t.idle_k16 = t.num_k > 0 ? (kBlockK - (last_rows + 15) / 16 * 16) / 16 : 0;
   }

@@ -74,10 +74,10 @@ def stage(mode: str, text: str) -> dict:
 # Seconds of calls in one back-to-back sample: enough calls that one synchronisation's latency
 # (0.4-0.7 ms with JAX) is spread over many of them.
 #
-# NOTES: at the dense peak's 50 ms a sample held one or two calls of the forward+backward of
-# mixtral and dsv3 (mok_jax 22.5-28 ms, torch 31-40 ms: results/h200/h200_0944.jsonl of
-# 2026-12-01 09:44 UTC), so their b2b figure still paid a synchronisation every call or two; at
-# 250 ms the samples held 6-86 calls of every shape's mok_jax and torch modes (10:02 UTC).
+# At the dense peak's 50 ms a sample would hold only one or two forward+backward calls of
+# mixtral and dsv3 (22.5-40 ms each on an H200), whose b2b figure would then still pay a
+# synchronisation every call or two; at 250 ms every shape's mok_jax and torch modes get 6-86
+# calls a sample.
 B2B_SAMPLE_S = 0.25
 
 
