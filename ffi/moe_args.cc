@@ -163,7 +163,7 @@ ffi::Error CheckBwdArgs(const MoeDims& d, ffi::DataType dtype, ffi::AnyBuffer dy
                    CheckBuffer(target, "dws_gate", out.dws_gate, dtype, {d.H, d.Is}),
                    CheckBuffer(target, "dws_up", out.dws_up, dtype, {d.H, d.Is}),
                    CheckBuffer(target, "dws_down", out.dws_down, dtype, {d.Is, d.H}),
-                   CheckBuffer(target, "xs", out.xs, dtype, {d.R, d.H}),
+                   CheckBuffer(target, "xs_rows", out.xs_rows, dtype, {d.R, d.H}),
                    CheckBuffer(target, "dy_routed", out.dy_routed, dtype, {d.R, d.H}),
                    CheckBuffer(target, "dgu", out.dgu, dtype, {d.R, 2 * d.I}),
                    CheckBuffer(target, "dgu_shared", out.dgu_shared, dtype, {d.T, 2 * d.Is}),

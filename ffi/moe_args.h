@@ -73,7 +73,7 @@ struct MoeBwdResults {
   // scratch (R, H) like x: xs, the token row of each routed row (without recompute over the
   // residual xs, mok_jax.ops.bwd_aliases), then dx_routed once the weight gradients have read
   // xs; and dy_routed, dy[t] of each route's row.
-  ffi::AnyBuffer xs;
+  ffi::AnyBuffer xs_rows;
   ffi::AnyBuffer dy_routed;
   // [dg | du] over [g | u]: without recompute these alias the residuals gu and gu_shared
   // (mok_jax.ops.bwd_aliases); with recompute gu and gu_shared are recomputed into them first.
@@ -129,7 +129,7 @@ auto BindMoeFwd(Binding binding) {
       .template Ret<ffi::AnyBuffer>()            // gu_shared (T, 2Is); (0, 2Is) with recompute
       .template Ret<ffi::AnyBuffer>()            // xs (R, H); (0, H) with recompute
       .template Ret<ffi::AnyBuffer>()            // scratch y_routed (R, H)
-      .template Ret<ffi::AnyBuffer>()            // scratch xs (0, H); (R, H) with recompute
+      .template Ret<ffi::AnyBuffer>()            // scratch xs_scratch (R or 0, H)
       .template Ret<ffi::AnyBuffer>()            // scratch h (R, I)
       .template Ret<ffi::AnyBuffer>()            // scratch h_shared (T, Is)
       .template Ret<ffi::AnyBuffer>()            // scratch y_shared (T or 0, H)
@@ -166,7 +166,7 @@ auto BindMoeBwd(Binding binding) {
       .template Ret<ffi::AnyBuffer>()            // dws_gate (H, Is)
       .template Ret<ffi::AnyBuffer>()            // dws_up (H, Is)
       .template Ret<ffi::AnyBuffer>()            // dws_down (Is, H)
-      .template Ret<ffi::AnyBuffer>()            // scratch xs (R, H), over xs; dx_routed
+      .template Ret<ffi::AnyBuffer>()            // scratch xs_rows (R, H) over xs, then dx_routed
       .template Ret<ffi::AnyBuffer>()            // scratch dy_routed (R, H)
       .template Ret<ffi::AnyBuffer>()            // scratch dgu (R, 2I), over gu
       .template Ret<ffi::AnyBuffer>()            // scratch dgu_shared (T, 2Is), over gu_shared

@@ -87,8 +87,8 @@ void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
   // dg | du go over g | u, element by element after reading them: in place where gu is dgu
   // (recompute, or XLA's alias of the residual), else into a buffer of their own.
   const S* gu = (d.recompute ? out.dgu : res.gu).reinterpret_data<S>();
-  // out.xs is the GPU's xs (the residual's buffer, without recompute), which these loops read
-  // from x instead; it then takes dx_r, as on the GPU.
+  // out.xs_rows is the GPU's xs (the residual's buffer, without recompute), which these loops
+  // read from x instead; it then takes dx_r, as on the GPU.
   S* dy_r = out.dy_routed.reinterpret_data<S>();
   S* dgu = out.dgu.reinterpret_data<S>();
   float* dweights = out.dweights.reinterpret_data<float>();
@@ -155,7 +155,7 @@ void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
     }
   }
 
-  S* dx_r = out.xs.reinterpret_data<S>();
+  S* dx_r = out.xs_rows.reinterpret_data<S>();
   std::fill(dx_r, dx_r + d.R * H, Store<S>(0.0f));
   for (int64_t e = 0; e < d.E; ++e) {
     const S *wg_e = wg + e * H * I, *wu_e = wu + e * H * I;

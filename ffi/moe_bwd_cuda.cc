@@ -58,10 +58,10 @@ ffi::Error MoeBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
   // aliases it: the result is only where dx_routed goes, and whether XLA hands both the same
   // buffer (it does when the residual dies with the backward, ops.bwd_aliases) is XLA's choice.
   // With recompute the backward gathers xs into the result itself.
-  a.xs_in = d.recompute ? out.xs.untyped_data() : xs.untyped_data();
-  a.xs = out.xs.untyped_data();
+  a.xs_in = d.recompute ? out.xs_rows.untyped_data() : xs.untyped_data();
+  a.xs = out.xs_rows.untyped_data();
   a.dy_routed = out.dy_routed.untyped_data();
-  a.dx_routed = out.xs.untyped_data();
+  a.dx_routed = out.xs_rows.untyped_data();
   a.dgu = out.dgu.untyped_data(), a.h = out.h.untyped_data();
   a.dgu_shared = out.dgu_shared.untyped_data(), a.h_shared = out.h_shared.untyped_data();
   a.dx_shared = out.dx_shared.untyped_data();

@@ -76,6 +76,21 @@ class Grads(NamedTuple):
   shared: tuple | None
 
 
+# The targets' buffers in argument order: the one list that the C++ bindings and handlers
+# (ffi/moe_args.h, ffi/moe_*_{cpu,cuda}.cc) and docs/design.md are checked against
+# (tests/test_buffer_table.py). fwd_results and bwd_results declare the results by these names.
+FWD_OPERANDS = ("x", "experts", "weights", "w_gate", "w_up", "w_down", "ws_gate", "ws_up",
+                "ws_down")
+FWD_RESULTS = ("y", *Residuals._fields, "y_routed", "xs_scratch", "h", "h_shared", "y_shared",
+               "layout")
+BWD_OPERANDS = ("dy", *FWD_OPERANDS, *Residuals._fields)
+BWD_RESULTS = ("dx", "dweights", "dw_gate", "dw_up", "dw_down", "dws_gate", "dws_up", "dws_down",
+               "xs_rows", "dy_routed", "dgu", "dgu_shared", "h", "h_shared", "dx_shared",
+               "dw_parts", "queue")
+# mok_moe_bwd writes these results over these operands (bwd_aliases).
+BWD_ALIASES = (("gu", "dgu"), ("gu_shared", "dgu_shared"), ("xs", "xs_rows"))
+
+
 def routed_rows(num_routes: int, num_experts: int, block_m: int) -> int:
   """Rows of the expert-sorted buffers: every route, plus the padding that aligns each
   non-empty expert to block_m (at most block_m - 1 rows for each of min(E, routes) experts)."""
@@ -196,81 +211,77 @@ def _check_ffi_inputs(x, experts, weights, w_gate, w_up, w_down, shared):
 
 
 def fwd_results(dims: MoeDims, dtype, out_dtype, block_m, recompute=False) -> tuple:
-  """The results mok_moe_fwd declares: y, the `Residuals`, then scratch that XLA frees after
-  the call (declared results, so that the handler allocates nothing). With recompute gu and
-  gu_shared have zero rows and no scratch holds them either: the forward does not write them;
-  xs then has zero rows too, and a scratch of R rows holds the forward's."""
+  """The results mok_moe_fwd declares, in FWD_RESULTS order: y, the `Residuals`, then scratch
+  that XLA frees after the call (declared results, so that the handler allocates nothing). With
+  recompute gu and gu_shared have zero rows and no scratch holds them either: the forward does
+  not write them; xs then has zero rows too, and xs_scratch of R rows holds the forward's."""
   T, H, I, E, k, Is = dims
   R = routed_rows(T * k, E, block_m)
   Rg, Tg = (0, 0) if recompute else (R, T)  # rows of gu and gu_shared kept as residuals
   sds = jax.ShapeDtypeStruct
-  return (
-      sds((T, H), out_dtype),  # y
-      sds((T, k), jnp.int32),  # pos
-      sds((E + 1,), jnp.int32),  # offsets
-      sds((R,), jnp.int32),  # rows
-      sds((Rg, 2 * I), dtype),  # gu
-      sds((Tg, 2 * Is), dtype),  # gu_shared
-      sds((Rg, H), dtype),  # xs: the token row of each routed row
-      sds((R, H), dtype),  # scratch y_routed: the unweighted expert output of each routed row
-      sds((R - Rg, H), dtype),  # scratch xs, with recompute
-      sds((R, I), dtype),  # scratch h = silu(g) * u
-      sds((T, Is), dtype),  # scratch h of the shared expert
-      sds((T if Is else 0, H), dtype),  # scratch: output of the shared expert
-      sds((_mok_cpu.layout_scratch_ints(T, k, E),), jnp.int32),  # scratch: layout, tile queue
-  )
+  return _in_order(FWD_RESULTS, dict(
+      y=sds((T, H), out_dtype),
+      pos=sds((T, k), jnp.int32),
+      offsets=sds((E + 1,), jnp.int32),
+      rows=sds((R,), jnp.int32),
+      gu=sds((Rg, 2 * I), dtype),
+      gu_shared=sds((Tg, 2 * Is), dtype),
+      xs=sds((Rg, H), dtype),  # the token row of each routed row
+      y_routed=sds((R, H), dtype),  # the unweighted expert output of each routed row
+      xs_scratch=sds((R - Rg, H), dtype),  # xs, with recompute
+      h=sds((R, I), dtype),  # silu(g) * u
+      h_shared=sds((T, Is), dtype),
+      y_shared=sds((T if Is else 0, H), dtype),  # the shared expert's output
+      layout=sds((_mok_cpu.layout_scratch_ints(T, k, E),), jnp.int32),  # layout, tile queue
+  ))
+
+
+def _in_order(names: tuple[str, ...], buffers: dict) -> tuple:
+  assert tuple(buffers) == names, (tuple(buffers), names)
+  return tuple(buffers.values())
 
 
 def bwd_results(dims: MoeDims, dtype, block_m, recompute=False) -> tuple:
-  """The results mok_moe_bwd declares: the eight gradients, then scratch. xs, dgu and
-  dgu_shared are written over the residuals xs, gu and gu_shared (`bwd_aliases`), or with
-  recompute xs is gathered and gu recomputed into them."""
+  """The results mok_moe_bwd declares, in BWD_RESULTS order: the eight gradients, then scratch.
+  xs_rows, dgu and dgu_shared are written over the residuals xs, gu and gu_shared
+  (`bwd_aliases`), or with recompute xs is gathered and gu recomputed into them."""
   T, H, I, E, k, Is = dims
   R = routed_rows(T * k, E, block_m)
   sds = jax.ShapeDtypeStruct
-  return (
-      sds((T, H), dtype),  # dx
-      sds((T, k), jnp.float32),  # dweights
-      sds((E, H, I), dtype),  # dw_gate
-      sds((E, H, I), dtype),  # dw_up
-      sds((E, I, H), dtype),  # dw_down
-      sds((H, Is), dtype),  # dws_gate
-      sds((H, Is), dtype),  # dws_up
-      sds((Is, H), dtype),  # dws_down
-      # scratch: the token row of each routed row (xs), then, once the weight gradients have
-      # read it, dx of each routed row (summed per token in j order) over it
-      sds((R, H), dtype),
-      sds((R, H), dtype),  # scratch: dy_routed, dy of each routed row
-      sds((R, 2 * I), dtype),  # scratch: [dg | du] of each routed row, over gu
-      sds((T, 2 * Is), dtype),  # scratch: [dg | du] of the shared expert, over gu_shared
-      sds((R, I), dtype),  # scratch: h = silu(g) * u, recomputed from gu
-      sds((T, Is), dtype),  # scratch: h of the shared expert
-      sds((T if Is else 0, H), dtype),  # scratch: dx of the shared expert
-      # scratch: each routed row's <dy @ w_down^T, h> by 128 columns of I, summed into dweights
-      sds((R, _mok_cpu.dw_part_cols(I)), jnp.float32),
-      sds((_mok_cpu.tile_queue_ints(T, k, E),), jnp.int32),  # scratch: tile queues of the GEMMs
-  )
-
-
-# mok_moe_bwd's operands gu, gu_shared and xs (after dy and the nine inputs of the forward and
-# pos, offsets, rows) and its results dgu, dgu_shared (after the eight gradients, xs and
-# dy_routed) and xs.
-_BWD_GU_OPERANDS = (13, 14)
-_BWD_DGU_RESULTS = (10, 11)
-_BWD_XS_OPERAND, _BWD_XS_RESULT = 15, 8
+  return _in_order(BWD_RESULTS, dict(
+      dx=sds((T, H), dtype),
+      dweights=sds((T, k), jnp.float32),
+      dw_gate=sds((E, H, I), dtype),
+      dw_up=sds((E, H, I), dtype),
+      dw_down=sds((E, I, H), dtype),
+      dws_gate=sds((H, Is), dtype),
+      dws_up=sds((H, Is), dtype),
+      dws_down=sds((Is, H), dtype),
+      # the token row of each routed row (xs), then, once the weight gradients have read it,
+      # dx of each routed row (summed per token in j order) over it
+      xs_rows=sds((R, H), dtype),
+      dy_routed=sds((R, H), dtype),  # dy of each routed row
+      dgu=sds((R, 2 * I), dtype),  # [dg | du] of each routed row, over gu
+      dgu_shared=sds((T, 2 * Is), dtype),  # [dg | du] of the shared expert, over gu_shared
+      h=sds((R, I), dtype),  # silu(g) * u, recomputed from gu
+      h_shared=sds((T, Is), dtype),
+      dx_shared=sds((T if Is else 0, H), dtype),  # dx of the shared expert
+      # each routed row's <dy @ w_down^T, h> by 128 columns of I, summed into dweights
+      dw_parts=sds((R, _mok_cpu.dw_part_cols(I)), jnp.float32),
+      queue=sds((_mok_cpu.tile_queue_ints(T, k, E),), jnp.int32),  # tile queues of the GEMMs
+  ))
 
 
 def bwd_aliases(dims: MoeDims, recompute=False) -> dict:
-  """mok_moe_bwd's `input_output_aliases`: without recompute, dgu takes gu's buffer and
-  dgu_shared gu_shared's (each SwiGLU backward tile reads its g and u before it writes dg and
-  du there), and the xs result (dx of each routed row once the weight gradients have read
-  xs) the residual xs's. Under jit, where the residuals die with the backward, XLA gives the
-  backward those buffers; where one is still needed after it, XLA copies it first."""
+  """mok_moe_bwd's `input_output_aliases` (BWD_ALIASES by index): without recompute, dgu takes
+  gu's buffer and dgu_shared gu_shared's (each SwiGLU backward tile reads its g and u before it
+  writes dg and du there), and xs_rows (dx of each routed row once the weight gradients have
+  read xs) the residual xs's. Under jit, where the residuals die with the backward, XLA gives
+  the backward those buffers; where one is still needed after it, XLA copies it first."""
   if recompute:
     return {}
-  pairs = zip(_BWD_GU_OPERANDS, _BWD_DGU_RESULTS)
-  aliases = {op: res for (op, res), used in zip(pairs, (True, dims.Is > 0)) if used}
-  return {**aliases, _BWD_XS_OPERAND: _BWD_XS_RESULT}
+  return {BWD_OPERANDS.index(op): BWD_RESULTS.index(res) for op, res in BWD_ALIASES
+          if dims.Is > 0 or op != "gu_shared"}
 
 
 class Footprint(NamedTuple):

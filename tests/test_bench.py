@@ -20,7 +20,7 @@ import textwrap
 import pytest
 
 from mok_jax.bench import __main__ as bench_main
-from mok_jax.bench import jobs, report, runner, shapes, timing
+from mok_jax.bench import jobs, records, report, runner, shapes, timing
 from mok_jax.bench.shapes import SKIP_ENV
 
 
@@ -566,10 +566,10 @@ def test_back_to_back_samples_hold_many_calls(monkeypatch):
     clock.now += 0.025
     return i
 
-  got = jobs.back_to_back(call, lambda out: None, {"sets": 3, "reps": 20, "min_reps": 5,
+  got = records.back_to_back(call, lambda out: None, {"sets": 3, "reps": 20, "min_reps": 5,
                                                    "budget_s": 3.0})
   assert got["timing_b2b"]["calls_per_sample"] == 10
-  assert got["timing_b2b"]["sample_s"] == jobs.B2B_SAMPLE_S
+  assert got["timing_b2b"]["sample_s"] == records.B2B_SAMPLE_S
   assert got["ms_b2b"]["median"] == pytest.approx(25.0)
   text = report.table(report.derive([dict(_record("mok_jax:cuda", "mok_jax", 26.0, {"y": 1.0}),
                                           **got)]))
@@ -577,10 +577,10 @@ def test_back_to_back_samples_hold_many_calls(monkeypatch):
 
 
 def test_back_to_back_figures_and_failure():
-  """jobs.back_to_back times the call as batches (calls per sample >= 1, one sync per sample);
+  """records.back_to_back times the call as batches (calls per sample >= 1, one sync per sample);
   a call that fails there leaves a b2b status and reason, which the table shows with a note."""
   syncs = []
-  got = jobs.back_to_back(lambda i: i, syncs.append, {"sets": 2, "reps": 3, "min_reps": 2,
+  got = records.back_to_back(lambda i: i, syncs.append, {"sets": 2, "reps": 3, "min_reps": 2,
                                                        "budget_s": 0.5})
   assert got["ms_b2b"]["n"] == 3 and got["timing_b2b"]["calls_per_sample"] >= 1
   assert len(syncs) >= 3
@@ -588,7 +588,7 @@ def test_back_to_back_figures_and_failure():
   def boom(i):
     raise RuntimeError("RESOURCE_EXHAUSTED: out of memory while allocating")
 
-  failed = jobs.back_to_back(boom, syncs.append, {"sets": 1, "reps": 3, "min_reps": 2,
+  failed = records.back_to_back(boom, syncs.append, {"sets": 1, "reps": 3, "min_reps": 2,
                                                   "budget_s": 0.5})
   assert failed["b2b_status"] == "oom" and "RESOURCE_EXHAUSTED" in failed["b2b_reason"]
   peak = {"kind": "peak", "run_id": "r", "status": "ok", "dtype": "bf16", "n": 10000,

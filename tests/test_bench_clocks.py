@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from mok_jax.bench import clocks, jobs
+from mok_jax.bench import clocks, records
 
 # Prints its arguments to $FAKE_SMI_ARGS, then a sample every 10 ms until terminated, stamped
 # as nvidia-smi stamps them; its draw is 120 W until $FAKE_SMI_BUSY exists, then 690-691.5 W.
@@ -67,7 +67,7 @@ def test_gpu_index_is_the_jobs_first_visible_device(visible, index, monkeypatch)
 
 def test_back_to_back_records_the_clock_it_ran_at(fake_smi):
   # Calls of 20 ms, samples of about 50 ms of them: the stand-in has started long before the end.
-  got = jobs.back_to_back(lambda i: time.sleep(0.02), lambda out: None,
+  got = records.back_to_back(lambda i: time.sleep(0.02), lambda out: None,
                           {"sets": 2, "reps": 8, "min_reps": 8, "budget_s": 2.0})
   gpu = got["gpu_b2b"]
   assert gpu["samples"] >= 2 and gpu["sm_mhz_min"] >= 1400 and gpu["sm_mhz_max"] <= 1420
@@ -78,7 +78,7 @@ def test_back_to_back_records_the_clock_it_ran_at(fake_smi):
 
 def test_without_nvidia_smi_the_timing_stands_alone(tmp_path, monkeypatch):
   monkeypatch.setenv("PATH", str(tmp_path))
-  got = jobs.back_to_back(lambda i: i, lambda out: None,
+  got = records.back_to_back(lambda i: i, lambda out: None,
                           {"sets": 1, "reps": 2, "min_reps": 2, "budget_s": 0.2})
   assert "gpu_b2b" not in got and got["ms_b2b"]["n"] == 2
   out = {}

@@ -9,7 +9,7 @@ import os
 import sys
 
 from mok_jax.bench import report, runner, shapes
-from mok_jax.bench.jobs import DTYPES
+from mok_jax.bench.records import DTYPES
 from mok_jax.bench.peers import ALIASES, IMPLS, resolve
 from mok_jax.bench.shapes import FWD_STAGES, MODES, SKIP_ENV
 

@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 
-from mok_jax.bench import env, jobs, peers
+from mok_jax.bench import env, jobs, peers, records
 from mok_jax.bench.shapes import Shape, breakdown_modes, breakdown_variant
 
 # Workers' JAX takes this fraction of GPU memory (JAX's default is 0.75) unless the caller set
@@ -141,7 +141,7 @@ class Runner:
         continue  # killed just as a mode finished: the next one gets a fresh worker and its time
       status, reason, wall_s = failure or (
           "crashed", f"the worker ended without a result for this mode; log: {log_path}", None)
-      raw = jobs.failed([remaining.pop(0)], status, reason, detail=_tail(log_path))[0]
+      raw = records.failed([remaining.pop(0)], status, reason, detail=_tail(log_path))[0]
       event = {"event": "record", "record": raw, "device": None, "wall_s": None,
                "mode_wall_s": wall_s, "env_vars": None}
       events.append(event)
@@ -243,7 +243,7 @@ class Runner:
       record.update(stage=stage, skip=list(skipped))
     record.update(raw)
     record.setdefault("status", "error")
-    record.setdefault("dtype", jobs.resolve_dtype(self.opts.dtype, record["platform"] or "gpu"))
+    record.setdefault("dtype", records.resolve_dtype(self.opts.dtype, record["platform"] or "gpu"))
     record.update(self.about)
     record["worker_env"] = event.get("env_vars")
     self.records.append(record)
@@ -262,7 +262,7 @@ class Runner:
       from mok_jax import ops  # pylint: disable=import-outside-toplevel
       from mok_jax.config import Config  # pylint: disable=import-outside-toplevel
 
-      dtype = {"bf16": "bfloat16", "f32": "float32"}[jobs.resolve_dtype(self.opts.dtype,
+      dtype = {"bf16": "bfloat16", "f32": "float32"}[records.resolve_dtype(self.opts.dtype,
                                                                           platform)]
       dims = ops.MoeDims(shape.T, shape.H, shape.I, shape.E, shape.k, shape.Is)
       return ops.cuda_unsupported_reason(platform, dtype, dims, Config())
@@ -323,7 +323,7 @@ class Runner:
         label = f"[{n}/{total}] {shape.name} {impl}"
         reason = self._skip_reason(impl, shape, platform)
         if reason:
-          for raw in jobs.failed(o.modes, "unavailable", reason):
+          for raw in records.failed(o.modes, "unavailable", reason):
             self._emit(job, {"record": raw}, None, impl, shape)
           _progress(f"{label}: n/a ({reason[:100]})")
         else:

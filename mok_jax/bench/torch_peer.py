@@ -5,7 +5,7 @@ gather each route's row back -> weighted sum over the k routes in f32 (+ shared 
 
 It runs in its own process (JAX there only on the CPU, for routing), times each call with CUDA
 events around a synchronised call (warm-up and repetitions as in timing.repeat), then back to
-back as the JAX workers do (jobs.back_to_back), and reads the peak of torch's caching
+back as the JAX workers do (records.back_to_back), and reads the peak of torch's caching
 allocator, reset before each mode, before the back-to-back calls. Inputs are bit-identical to
 the JAX workers' (inputs.py), so output checksums compare across frameworks.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 
 from mok_jax.bench import clocks, inputs, peers, timing
-from mok_jax.bench.jobs import back_to_back, failed, finite_or_text, resolve_dtype, stage
+from mok_jax.bench.records import back_to_back, failed, finite_or_text, resolve_dtype, stage
 from mok_jax.bench.shapes import Shape
 
 MASK32 = inputs.MASK32

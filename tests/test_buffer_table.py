@@ -1,0 +1,86 @@
+"""The targets' buffers are listed once, in mok_jax.ops (FWD_OPERANDS, FWD_RESULTS, BWD_OPERANDS,
+BWD_RESULTS, BWD_ALIASES): the C++ bindings, the argument structs, every handler's parameters
+and docs/design.md must name the same buffers in the same order."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import jax.numpy as jnp
+import pytest
+
+from mok_jax import ops
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ARGS_H = (ROOT / "ffi" / "moe_args.h").read_text()
+FWD = ops.FWD_OPERANDS + ops.FWD_RESULTS
+BWD = ops.BWD_OPERANDS + ops.BWD_RESULTS
+
+
+def _bound_names(binder: str) -> tuple[str, ...]:
+  """The buffer names of BindMoeFwd / BindMoeBwd, from the comment on each Arg and Ret."""
+  body = ARGS_H[ARGS_H.index(f"auto {binder}("):]
+  body = body[:body.index("\n}\n")]
+  return tuple(re.findall(r"template (?:Arg|Ret)<ffi::AnyBuffer>\(\)\s*// (?:scratch )?(\w+)",
+                          body))
+
+
+def _struct_fields(name: str) -> tuple[str, ...]:
+  body = ARGS_H[ARGS_H.index(f"struct {name} {{"):]
+  body = body[:body.index("\n};")]
+  return tuple(re.findall(r"^\s*(?:ffi::AnyBuffer|MoeResiduals) (\w+);", body, re.M))
+
+
+def _handler_params(path: str, function: str) -> tuple[str, ...]:
+  src = (ROOT / "ffi" / path).read_text()
+  match = re.search(rf"ffi::Error {function}\((.*?)\)\s*\{{", src, re.S)
+  assert match, f"{path}: no handler {function}"
+  return tuple(re.findall(r"ffi::(?:Result<ffi::AnyBuffer>|AnyBuffer) (\w+)", match.group(1)))
+
+
+def test_bindings_name_the_table():
+  assert _bound_names("BindMoeFwd") == FWD
+  assert _bound_names("BindMoeBwd") == BWD
+
+
+def test_structs_hold_the_table():
+  assert _struct_fields("MoeInputs") == ops.FWD_OPERANDS
+  assert _struct_fields("MoeResiduals") == ops.Residuals._fields
+  fwd = _struct_fields("MoeFwdResults")
+  assert fwd[0] == "y" and fwd[1] == "res" and fwd[2:] == ops.FWD_RESULTS[1 + len(
+      ops.Residuals._fields):]
+  assert _struct_fields("MoeBwdResults") == ops.BWD_RESULTS
+
+
+@pytest.mark.parametrize("path, function, names", [
+    ("moe_fwd_cpu.cc", "MoeFwd", FWD), ("moe_fwd_cuda.cc", "MoeFwdCuda", FWD),
+    ("moe_bwd_cpu.cc", "MoeBwd", BWD), ("moe_bwd_cuda.cc", "MoeBwdCuda", BWD)])
+def test_handlers_take_the_table(path, function, names):
+  assert _handler_params(path, function) == names
+
+
+def test_python_declares_the_table():
+  dims = ops.MoeDims(T=5, H=64, I=64, E=3, k=2, Is=64)
+  assert len(ops.fwd_results(dims, jnp.bfloat16, jnp.bfloat16, 64)) == len(ops.FWD_RESULTS)
+  assert len(ops.bwd_results(dims, jnp.bfloat16, 64)) == len(ops.BWD_RESULTS)
+  aliases = ops.bwd_aliases(dims)
+  assert {(ops.BWD_OPERANDS[o], ops.BWD_RESULTS[r]) for o, r in aliases.items()} == set(
+      ops.BWD_ALIASES)
+  assert ops.bwd_aliases(dims._replace(Is=0)) == {
+      ops.BWD_OPERANDS.index(o): ops.BWD_RESULTS.index(r) for o, r in ops.BWD_ALIASES
+      if o != "gu_shared"}
+  assert ops.bwd_aliases(dims, recompute=True) == {}
+
+
+def test_design_doc_lists_the_results_in_order():
+  """docs/design.md's table of mok_moe_fwd's results and its list of mok_moe_bwd's."""
+  doc = (ROOT / "docs" / "design.md").read_text()
+  rows = re.findall(r"^\| (\w+)(?:, (\w+))? \|", doc, re.M)
+  fwd = [n for row in rows for n in row if n and n in ops.FWD_RESULTS]
+  assert tuple(fwd[:len(ops.FWD_RESULTS)]) == ops.FWD_RESULTS
+  section = doc[doc.index("`mok_moe_bwd` takes"):doc.index("Aliasing")]
+  named = [n for n in re.findall(r"\b(\w+)\b", section) if n in ops.BWD_RESULTS]
+  order = list(dict.fromkeys(named))
+  assert order == [n for n in ops.BWD_RESULTS if n in order] and set(order) == set(
+      ops.BWD_RESULTS)
