@@ -91,4 +91,19 @@ struct MoeBwdArgs {
 const char* LaunchMoeFwd(const MoeFwdArgs& args, cudaStream_t stream);
 const char* LaunchMoeBwd(const MoeBwdArgs& args, cudaStream_t stream);
 
+// The forward's combine on its own (mok_moe_combine): out[t] = round(sum_j weights[t, j]
+// rows[pos[t, j]] in j order + extra[t]), one warp a token (sm90/combine.cuh). rows and extra
+// are bf16 (N, H) and (T, H); weights and extra may be null; H a multiple of 8.
+struct CombineArgs {
+  int64_t T;
+  int k, H;
+  const void* rows;
+  const int32_t* pos;     // (T, k), -1: no row
+  const float* weights;   // (T, k), or null: every weight 1
+  const void* extra;      // (T, H), or null
+  void* out;              // (T, H) bf16, or f32 when out_f32
+  bool out_f32;
+};
+const char* LaunchCombine(const CombineArgs& args, cudaStream_t stream);
+
 }  // namespace mok::cuda

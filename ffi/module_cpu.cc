@@ -13,6 +13,7 @@ NB_MODULE(_mok_cpu, m) {
     nb::dict targets;
     targets["mok_moe_fwd"] = mok::Capsule(MokMoeFwdCpu);
     targets["mok_moe_bwd"] = mok::Capsule(MokMoeBwdCpu);
+    targets["mok_moe_combine"] = mok::Capsule(MokMoeCombineCpu);
     return targets;
   });
   m.def("layout_scratch_ints", &mok::LayoutScratchInts, nb::arg("T"), nb::arg("k"),

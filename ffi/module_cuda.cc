@@ -11,6 +11,7 @@ NB_MODULE(_mok_cuda, m) {
     nb::dict targets;
     targets["mok_moe_fwd"] = mok::Capsule(MokMoeFwdCuda);
     targets["mok_moe_bwd"] = mok::Capsule(MokMoeBwdCuda);
+    targets["mok_moe_combine"] = mok::Capsule(MokMoeCombineCuda);
     return targets;
   });
 }

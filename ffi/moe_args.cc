@@ -189,4 +189,28 @@ ffi::Error CheckCudaKernelArgs(const char* target, ffi::AnyBuffer x, int64_t blo
   return ffi::Error::Success();
 }
 
+ffi::ErrorOr<CombineDims> CheckCombineArgs(const char* target, ffi::AnyBuffer rows,
+                                           ffi::AnyBuffer pos, ffi::AnyBuffer weights,
+                                           ffi::AnyBuffer extra, ffi::AnyBuffer out) {
+  auto r = rows.dimensions(), p = pos.dimensions();
+  auto dtype = rows.element_type();
+  auto fail = [&](const std::string& what) { return ffi::Unexpected(Invalid(target, what)); };
+  if ((dtype != ffi::DataType::F32 && dtype != ffi::DataType::BF16) || r.size() != 2)
+    return fail("rows must be bf16 or f32 (N, H), got " + Describe(dtype, r));
+  if (pos.element_type() != ffi::DataType::S32 || p.size() != 2)
+    return fail("pos must be s32 (T, k), got " + Describe(pos.element_type(), p));
+  CombineDims d{r[0], p[0], p[1], r[1], weights.element_count() > 0, extra.element_count() > 0};
+  if (auto err = CheckBuffer(target, "weights", weights, ffi::DataType::F32,
+                             {d.weighted ? d.T : 0, d.k});
+      err.failure())
+    return ffi::Unexpected(err);
+  if (auto err = CheckBuffer(target, "extra", extra, dtype, {d.extra ? d.T : 0, d.H});
+      err.failure())
+    return ffi::Unexpected(err);
+  auto out_dtype = out.element_type() == ffi::DataType::F32 ? ffi::DataType::F32 : dtype;
+  if (auto err = CheckBuffer(target, "out", out, out_dtype, {d.T, d.H}); err.failure())
+    return ffi::Unexpected(err);
+  return d;
+}
+
 }  // namespace mok

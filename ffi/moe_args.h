@@ -180,6 +180,28 @@ auto BindMoeBwd(Binding binding) {
       .template Attr<int64_t>("ranks");
 }
 
+// mok_moe_combine: out[t] = round(sum_j weights[t, j] rows[pos[t, j]] in j order + extra[t]),
+// the combine of mok_moe_fwd (y) and of mok_moe_bwd (dx, without weights) on its own, for the
+// home rank under expert parallelism. rows (N, H) bf16|f32; pos (T, k) s32 in [-1, N);
+// weights (T, k) f32, or (0, k): every weight 1; extra (T, H) like rows, or (0, H): none; out
+// (T, H) like rows or f32.
+struct CombineDims {
+  int64_t N, T, k, H;
+  bool weighted, extra;
+};
+ffi::ErrorOr<CombineDims> CheckCombineArgs(const char* target, ffi::AnyBuffer rows,
+                                           ffi::AnyBuffer pos, ffi::AnyBuffer weights,
+                                           ffi::AnyBuffer extra, ffi::AnyBuffer out);
+
+template <class Binding>
+auto BindMoeCombine(Binding binding) {
+  return std::move(binding).template Arg<ffi::AnyBuffer>()  // rows (N, H) bf16|f32
+      .template Arg<ffi::AnyBuffer>()            // pos (T, k) s32
+      .template Arg<ffi::AnyBuffer>()            // weights (T, k) f32, or (0, k)
+      .template Arg<ffi::AnyBuffer>()            // extra (T, H), or (0, H)
+      .template Ret<ffi::AnyBuffer>();           // out (T, H) like rows or f32
+}
+
 // What the CUDA kernels add to the contract: bf16 and block_m = 64 or 128. `target` names the call.
 ffi::Error CheckCudaKernelArgs(const char* target, ffi::AnyBuffer x, int64_t block_m);
 

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "../cuda/layout_contract.h"
+#include "combine_cpu.h"
 #include "cpu_math.h"
 #include "moe_args.h"
 #include "moe_cpu.h"
@@ -182,16 +183,13 @@ void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
   S* h_s = out.h_shared.reinterpret_data<S>();
   S* dx_s = out.dx_shared.reinterpret_data<S>();
   S* dx = out.dx.reinterpret_data<S>();
-  std::vector<float> acc(H), sd(Is * H, 0.0f), sg(H * Is, 0.0f), su(H * Is, 0.0f);
+  std::vector<float> sd(Is * H, 0.0f), sg(H * Is, 0.0f), su(H * Is, 0.0f);
   for (int64_t t = 0; t < T; ++t) {
-    std::fill(acc.begin(), acc.end(), 0.0f);
     for (int64_t j = 0; j < k; ++j) {
       int64_t p = pos[t * k + j];
       float dw = 0.0f;
       for (int64_t b = 0; p >= 0 && b < parts; ++b) dw += dw_parts[p * parts + b];
       dweights[t * k + j] = dw;
-      if (p < 0) continue;
-      for (int64_t h = 0; h < H; ++h) acc[h] += Load(dx_r[p * H + h]);
     }
     const S* gu_row = gu_s + t * 2 * Is;
     S* dgu_row = dgu_s + t * 2 * Is;
@@ -216,10 +214,9 @@ void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
         su[h * Is + i] += xv * du;
       }
       dx_s[t * H + h] = Store<S>(dxs);
-      acc[h] += Load(dx_s[t * H + h]);
     }
-    for (int64_t h = 0; h < H; ++h) dx[t * H + h] = Store<S>(acc[h]);
   }
+  CombineRows<S, S>(T, k, H, dx_r, pos, nullptr, Is > 0 ? dx_s : nullptr, dx);
   S *dwsg = out.dws_gate.reinterpret_data<S>(), *dwsu = out.dws_up.reinterpret_data<S>(),
     *dwsd = out.dws_down.reinterpret_data<S>();
   for (int64_t n = 0; n < H * Is; ++n) {

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "combine_cpu.h"
 #include "cpu_math.h"
 #include "moe_args.h"
 #include "moe_cpu.h"
@@ -93,26 +94,13 @@ void Forward(const MoeDims& d, const MoeInputs& in, const MoeFwdResults& out) {
   S* gu_shared = d.recompute ? nullptr : out.res.gu_shared.reinterpret_data<S>();
   S* h_shared = out.h_shared.reinterpret_data<S>();
   S* y_shared = out.y_shared.reinterpret_data<S>();
-  for (int64_t t = 0; t < T; ++t) {
-    // The k routes in j order, then the shared expert's output (rounded like a route's).
-    if (Is > 0) {
-      S* gu_row = gu_shared ? gu_shared + t * 2 * Is : gu_local.data();
-      ExpertMlp<S>(H, Is, x + t * H, wsg, wsu, wsd, gu_row, h_shared + t * Is, y_shared + t * H,
-                   g, u, acc);
-    }
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    for (int64_t j = 0; j < k; ++j) {
-      int32_t p = pos[t * k + j];
-      if (p < 0) continue;
-      float w = weights[t * k + j];
-      const S* yr_row = y_routed + int64_t{p} * H;
-      for (int64_t hh = 0; hh < H; ++hh) acc[hh] += w * Load(yr_row[hh]);
-    }
-    for (int64_t hh = 0; hh < H; ++hh) {
-      float v = acc[hh] + (Is > 0 ? Load(y_shared[t * H + hh]) : 0.0f);
-      y[t * H + hh] = Store<Y>(v);
-    }
+  for (int64_t t = 0; t < T && Is > 0; ++t) {
+    S* gu_row = gu_shared ? gu_shared + t * 2 * Is : gu_local.data();
+    ExpertMlp<S>(H, Is, x + t * H, wsg, wsu, wsd, gu_row, h_shared + t * Is, y_shared + t * H, g,
+                 u, acc);
   }
+  // The k routes in j order, then the shared expert's output (rounded like a route's).
+  CombineRows<S, Y>(T, k, H, y_routed, pos, weights, Is > 0 ? y_shared : nullptr, y);
 }
 
 ffi::Error MoeFwd(ffi::AnyBuffer x, ffi::AnyBuffer experts, ffi::AnyBuffer weights,

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 
+EP_TRANSPORTS = ("auto", "collective", "nvlink")
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """Knobs of the FFI backends (`ffi`, `cuda`); the `xla` backend ignores them.
+  """Knobs of `mok_jax.moe`: block_m and recompute are the FFI backends' (`ffi`, `cuda`; the
+  `xla` backend ignores them), ep_transport and ep_capacity every backend's.
 
   Attributes:
     block_m: rows of one expert tile. The routed rows of each expert start at a multiple of
@@ -25,10 +28,20 @@ class Config:
       and recomputes gu from it with the forward's own gate|up GEMM, 2/3 of a forward's FLOPs
       (forward + backward do 11/9 of the save mode's work). The same bits either way. Not
       differentiated (inference), the layer's forward keeps neither whatever this knob says.
+    ep_transport: how expert parallelism (`moe(..., axis_name=...)`) moves the routed rows.
+      "collective": XLA's all_to_all (mok_jax.expert_parallel); "auto": the best transport
+      there is, today "collective"; "nvlink" (the CUDA kernels' own, over NVLink) is not
+      available yet and raises.
+    ep_capacity: None (dropless, the default) or the most routed rows that one rank sends to
+      another in one call. Each rank's send and receive buffers hold P * C rows of H (P ranks,
+      C = ep_capacity, or T k without it: every route of a rank to one rank). A call that needs
+      more fails (an error from the device, naming the rows it needed), never drops a route.
   """
 
   block_m: int = 64
   recompute: bool = False
+  ep_transport: str = "auto"
+  ep_capacity: int | None = None
 
   def __post_init__(self):
     b = self.block_m
@@ -36,3 +49,9 @@ class Config:
       raise ValueError(f"Config.block_m must be a power of two in [1, 256], got {b!r}")
     if not isinstance(self.recompute, bool):
       raise ValueError(f"Config.recompute must be a bool, got {self.recompute!r}")
+    if self.ep_transport not in EP_TRANSPORTS:
+      raise ValueError(f"Config.ep_transport must be one of {EP_TRANSPORTS}, got "
+                       f"{self.ep_transport!r}")
+    c = self.ep_capacity
+    if c is not None and (not isinstance(c, int) or isinstance(c, bool) or c < 1):
+      raise ValueError(f"Config.ep_capacity must be None or an integer of at least 1, got {c!r}")

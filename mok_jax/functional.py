@@ -2,9 +2,9 @@
 
 `moe` validates its arguments at trace time, picks a backend, runs explicitly sharded inputs in
 `shard_map` where their shardings place them (mok_jax.sharded), and, under `shard_map` with
-`axis_name`, runs expert parallelism: every rank gathers the tokens and routes of the group,
-computes what its own experts contribute, and the partial outputs are reduce-scattered back to
-the tokens' home ranks. Every backend does this the same way; no capacity factor is involved.
+`axis_name`, runs expert parallelism (mok_jax.expert_parallel): each routed row goes to the
+rank of its expert and its output back to its home slot, and y has the same bits for every
+number of ranks. Dropless unless Config.ep_capacity bounds the rows a rank sends to another.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AxisType, PartitionSpec
 
-from mok_jax import ops, reference, sharded
+from mok_jax import expert_parallel, ops, reference, sharded
 from mok_jax.config import Config
 
 BACKENDS = ("auto", "xla", "ffi", "cuda")
@@ -140,22 +141,31 @@ def moe(x, experts, weights, w_gate, w_up, w_down, *, shared=None, axis_name=Non
     if where is not None:
       return placed_moe(x, experts, weights, w_gate, w_up, w_down, shared, where=where,
                         config=config, backend=backend)
-  impl = _local_impl(backend, x.dtype, dims, config, int(n_ranks))
   weights = weights.astype(jnp.float32)
-  if axis_name is None:
-    return impl(x, _local_ids(experts, 0, dims.E), weights, w_gate, w_up, w_down, shared,
-                out_dtype=x.dtype)
-  # Expert parallelism with JAX collectives. Each rank sees all tokens of the group; routes to
-  # other ranks' experts become invalid local ids. The partial outputs are summed in f32 and the
-  # single rounding happens after the reduce-scatter.
-  gather = functools.partial(jax.lax.all_gather, axis_name=axis_name, tiled=True)
-  first = jax.lax.axis_index(axis_name) * dims.E
-  y = impl(gather(x), _local_ids(gather(experts), first, dims.E), gather(weights), w_gate, w_up,
-           w_down, None, out_dtype=jnp.float32)
-  y = jax.lax.psum_scatter(y, axis_name, scatter_dimension=0, tiled=True)
-  if shared is not None:
-    y = y + reference.shared_mlp(x, shared)
-  return y.astype(x.dtype)
+  fused = _fused_impl(backend, x.dtype, dims, config)
+  if fused is not None and axis_name is None:
+    return fused(x, _local_ids(experts, dims.E), weights, w_gate, w_up, w_down, shared)
+  pieces = (expert_parallel.XlaPieces() if fused is None else
+            expert_parallel.FfiPieces(config, int(n_ranks)))
+  layer = functools.partial(expert_parallel.routed_moe, pieces=pieces, axis_name=axis_name,
+                            config=config)
+  if fused is None and axis_name is None:
+    return _in_explicit_shard_map(layer, x, experts, weights, w_gate, w_up, w_down, shared)
+  return layer(x, experts, weights, w_gate, w_up, w_down, shared)
+
+
+def _in_explicit_shard_map(layer, *args):
+  """layer(*args), in shard_map over the mesh's Explicit axes if x is typed on such a mesh
+  (replicated there: mok_jax.moe's placement takes anything split into shard_map), where
+  ragged_dot and its transpose have no sharding rule (jax 0.10.2): every device runs the layer,
+  as it would anyway."""
+  mesh = getattr(jax.typeof(args[0]).sharding, "mesh", None)
+  explicit = {a for a, t in zip(getattr(mesh, "axis_names", ()), getattr(mesh, "axis_types", ()))
+              if t == AxisType.Explicit}
+  if not explicit:
+    return layer(*args)
+  return jax.shard_map(layer, mesh=mesh, in_specs=PartitionSpec(), out_specs=PartitionSpec(),
+                       axis_names=explicit)(*args)
 
 
 @functools.partial(jax.jit, static_argnames=("where", "config", "backend"))
@@ -182,32 +192,31 @@ def _as_ids(experts):
   return jnp.asarray(host)
 
 
-def _local_ids(experts, first, n_local):
-  """int32 ids local to the experts [first, first + n_local); -1 for every other id, except
-  that a single rank's int32 ids go as they are: every implementation drops ids outside [0, E)
-  itself, and the select would be one more launch before the kernel's on every call.
+def _local_ids(experts, n_local):
+  """int32 ids for the fused single-rank call: -1 for every id outside [0, n_local), except that
+  int32 ids go as they are: every implementation drops ids outside [0, E) itself, and the select
+  would be one more launch before the kernel's on every call.
 
   Comparing before the cast keeps an int64 id such as 2**32 + 3 from wrapping onto expert 3.
   """
-  if isinstance(first, int) and first == 0 and experts.dtype == jnp.int32:
+  if experts.dtype == jnp.int32:
     return experts
-  local = experts - first
-  mine = (experts >= first) & (local < n_local)
-  return jnp.where(mine, local, -1).astype(jnp.int32)
+  mine = (experts >= 0) & (experts < n_local)
+  return jnp.where(mine, experts, -1).astype(jnp.int32)
 
 
-def _local_impl(backend, dtype, dims, config, ranks):
-  """The single-rank implementation for `backend`: reference.moe_local or the FFI targets (told
-  the expert-parallel `ranks`, a hint for the CUDA kernel's launch choices)."""
+def _fused_impl(backend, dtype, dims, config):
+  """The FFI targets' fused single-rank layer for `backend` (None: the XLA backend's layer,
+  mok_jax.expert_parallel with reference.py's math), or an error saying why `backend` cannot
+  run here."""
   if backend not in BACKENDS:
     raise ValueError(f"moe: backend must be one of {BACKENDS}, got {backend!r}")
   if backend == "xla":
-    return reference.moe_local
+    return None
   platform = jax.default_backend()
   cuda_problem = ops.cuda_unsupported_reason(platform, dtype, dims, config)
   if backend == "auto":
-    return (reference.moe_local if cuda_problem
-            else functools.partial(_moe_ffi, config=config, ranks=ranks))
+    return None if cuda_problem else functools.partial(_moe_ffi, config=config, ranks=1)
   if backend == "cuda" and cuda_problem:
     raise ValueError(f"moe: backend='cuda' cannot run: {cuda_problem}")
   if backend == "ffi":
@@ -215,16 +224,16 @@ def _local_impl(backend, dtype, dims, config, ranks):
       ops.check_ffi_dtype(dtype)
     elif cuda_problem:
       raise ValueError(f"moe: backend='ffi' on platform {platform!r} cannot run: {cuda_problem}")
-  return functools.partial(_moe_ffi, config=config, ranks=ranks)
+  return functools.partial(_moe_ffi, config=config, ranks=1)
 
 
-def _moe_ffi(x, experts, weights, w_gate, w_up, w_down, shared, *, out_dtype, config, ranks):
+def _moe_ffi(x, experts, weights, w_gate, w_up, w_down, shared, *, config, ranks):
   # Under shard_map (check_vma=True) a custom call needs operands that vary over the same mesh
   # axes. Casting them here, outside the custom VJP, lets JAX transpose the cast: the gradient
   # of an operand that is the same on every rank (a replicated weight) is summed over ranks.
   args = (x, experts, weights, w_gate, w_up, w_down, shared)
   axes = frozenset().union(*map(reference.varying_axes, jax.tree.leaves(args)))
-  return _moe_ffi_vjp(jnp.dtype(out_dtype), config, ranks, *reference.vary(args, axes))
+  return _moe_ffi_vjp(jnp.dtype(x.dtype), config, ranks, *reference.vary(args, axes))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))

@@ -3,8 +3,10 @@
 Targets (registered under the same names for platform "cpu", the C++ reference in ffi/*_cpu.cc,
 and "CUDA", the kernels):
 
-  mok_moe_fwd   the layer forward over the experts held here; returns y and the residuals
-  mok_moe_bwd   all gradients from dy and those residuals
+  mok_moe_fwd      the layer forward over the experts held here; returns y and the residuals
+  mok_moe_bwd      all gradients from dy and those residuals
+  mok_moe_combine  the forward's combine on its own: the home rank's sum of its tokens' routes
+                   under expert parallelism (mok_jax.expert_parallel)
 
 The routed buffers are expert-sorted: expert e's routes occupy rows [offsets[e], offsets[e] +
 count_e) in ascending (t, j) order, and offsets[e] is a multiple of block_m. Their row count is
@@ -89,6 +91,8 @@ BWD_RESULTS = ("dx", "dweights", "dw_gate", "dw_up", "dw_down", "dws_gate", "dws
                "dw_parts", "queue")
 # mok_moe_bwd writes these results over these operands (bwd_aliases).
 BWD_ALIASES = (("gu", "dgu"), ("gu_shared", "dgu_shared"), ("xs", "xs_rows"))
+COMBINE_OPERANDS = ("rows", "pos", "weights", "extra")
+COMBINE_RESULTS = ("out",)
 
 
 def routed_rows(num_routes: int, num_experts: int, block_m: int) -> int:
@@ -400,3 +404,34 @@ def moe_bwd(dy, x, experts, weights, w_gate, w_up, w_down, shared, residuals: Re
       *residuals, block_m=np.int64(block_m), recompute=bool(recompute),
       ranks=_ranks(ranks))[:8]
   return Grads(dx, dweights, dw_gate, dw_up, dw_down, None if shared is None else tuple(dshared))
+
+
+def moe_combine(rows, pos, weights=None, extra=None, *, out_dtype=None):
+  """Target mok_moe_combine: out[t] = round(sum_j weights[t, j] rows[pos[t, j]] in j order +
+  extra[t]), summed in f32 with the bits of mok_moe_fwd's y (and, without weights, of
+  mok_moe_bwd's dx).
+
+  Inputs:
+    rows (N, H) bf16|f32; pos (T, k) int32 in [-1, N) (-1: no row); weights None (every weight
+    1) or (T, k) f32; extra None or (T, H) of rows' dtype.
+  Outputs:
+    out (T, H) of out_dtype (rows' dtype, the default, or f32).
+  """
+  check_ffi_dtype(rows.dtype)
+  if rows.ndim != 2 or pos.ndim != 2 or pos.dtype != jnp.int32:
+    raise ValueError(f"moe_combine: rows must be (N, H) and pos (T, k) int32, got "
+                     f"{_shape(rows)} and {_shape(pos)}")
+  (T, k), H = pos.shape, rows.shape[1]
+  if weights is not None and (weights.shape != (T, k) or weights.dtype != jnp.float32):
+    raise ValueError(f"moe_combine: weights must be ({T}, {k}) float32, got {_shape(weights)}")
+  if extra is not None and (extra.shape != (T, H) or extra.dtype != rows.dtype):
+    raise ValueError(f"moe_combine: extra must be ({T}, {H}) {rows.dtype}, got {_shape(extra)}")
+  out_dtype = jnp.dtype(rows.dtype if out_dtype is None else out_dtype)
+  if out_dtype not in (jnp.dtype(rows.dtype), jnp.dtype(jnp.float32)):
+    raise ValueError(f"moe_combine: out_dtype must be rows' dtype or float32, got {out_dtype}")
+  weights = jnp.zeros((0, k), jnp.float32) if weights is None else weights
+  extra = jnp.zeros((0, H), rows.dtype) if extra is None else extra
+  call = jax.ffi.ffi_call("mok_moe_combine", jax.ShapeDtypeStruct((T, H), out_dtype),
+                          vmap_method="sequential")
+  return call(rows, pos, weights, extra)
+

@@ -1,14 +1,15 @@
-"""The pure-JAX backend (`backend="xla"`): dropless, differentiable, runs on any device.
+"""The pure-JAX math of the `xla` backend (the layer itself is mok_jax.expert_parallel's, on one
+device and under expert parallelism alike): dropless, differentiable, runs on any device.
 
-It computes exactly what the kernels compute, with the same rounding points (DESIGN.md):
+It computes what the kernels compute, with the same rounding points (docs/design.md):
 gate/up/down products accumulate in f32; the SwiGLU activation h and each route's expert output
 are rounded to x's dtype (they are GEMM operands / kept outputs in the kernels), and so is the
 shared expert's output (a route of weight 1); the sum over a token's k routes (j ascending) and
 its shared output is taken in f32, and y is rounded once, at the end.
 
-Grouping uses `jax.lax.ragged_dot` on routes sorted by expert (a stable sort, so the row order
-within an expert is ascending (t, j), as in the kernels' layout). The combine gathers each
-route's output back by inverse permutation and sums the k routes in order: no scatter-add, so
+Grouping uses `jax.lax.ragged_dot` on rows sorted by expert (a stable sort, so the row order
+within an expert is the rows' own, ascending (t, j) as in the kernels' layout). The combine
+gathers each route's output from its slot and sums the k routes in j order: no scatter-add, so
 results do not depend on the order in which a device executes atomic updates.
 """
 
@@ -18,7 +19,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, PartitionSpec
 
 
 def _precision(dtype):
@@ -141,59 +141,54 @@ def nan_local(ragged_dot):
   return dot
 
 
-def moe_local(x, experts, weights, w_gate, w_up, w_down, shared, *, out_dtype, config=None,
-              ragged_dot=None):
-  """The MoE layer over the experts held here.
+def expert_rows(x_rows, ids, w_gate, w_up, w_down, *, ragged_dot=None):
+  """Each row through its expert: (N, H) f32, expert ids[r]'s MLP of x_rows[r] before its
+  rounding to x's dtype; 0 for a row whose id is outside [0, E).
 
-  Args:
-    x: (T, H) tokens.
-    experts: (T, k) int32 expert ids local to w_gate's leading axis; an id outside [0, E) is a
-      route to nobody and contributes nothing.
-    weights: (T, k) f32 combine weights.
-    w_gate, w_up: (E, H, I); w_down: (E, I, H); same dtype as x.
-    shared: None or (ws_gate (H, Is), ws_up (H, Is), ws_down (Is, H)).
-    out_dtype: dtype of y: x.dtype, or f32 for a partial sum that is reduced further.
-    config: ignored (the XLA backend has no kernel knobs).
-    ragged_dot: the grouped matmul, with jax.lax.ragged_dot's signature; None: `nan_local` of
-      jax.lax.ragged_dot. The benchmark swaps in the peers' (jax's and tokamax's, as their users
-      call them) to time the same layer on them.
-
-  Returns:
-    y: (T, H) of out_dtype.
+  The rows are sorted by expert (a stable sort: within an expert they keep their order) and
+  multiplied by jax.lax.ragged_dot, or `ragged_dot` with its signature (the benchmark's peers);
+  None: `nan_local` of jax.lax.ragged_dot.
   """
-  del config
   if ragged_dot is None:
     ragged_dot = nan_local(jax.lax.ragged_dot)
-  mesh = getattr(jax.typeof(x).sharding, "mesh", None)
-  explicit = {a for a, t in zip(getattr(mesh, "axis_names", ()), getattr(mesh, "axis_types", ()))
-              if t == AxisType.Explicit}
-  if explicit:
-    # Typed replicated on Explicit axes (mok_jax.moe's placement takes anything split into
-    # shard_map), where ragged_dot and its transpose have no sharding rule (jax 0.10.2):
-    # every device runs the layer in shard_map, as it would anyway.
-    local = functools.partial(moe_local, out_dtype=out_dtype, ragged_dot=ragged_dot)
-    return jax.shard_map(local, mesh=mesh, in_specs=PartitionSpec(), out_specs=PartitionSpec(),
-                         axis_names=explicit)(
-        x, experts, weights, w_gate, w_up, w_down, shared)
-  f32 = jnp.float32
-  T, k = experts.shape
   E = w_gate.shape[0]
-  valid = (experts >= 0) & (experts < E)
-  # Invalid routes get group id E: they sort after every real group and fall outside
-  # sum(group_sizes), so ragged_dot never reads an expert for them; `where` zeroes them anyway.
-  group = jnp.where(valid, experts, E).reshape(-1)
+  valid = (ids >= 0) & (ids < E)
+  # Rows without an expert get group E: they sort after every real group and fall outside
+  # sum(group_sizes), so ragged_dot reads no expert for them; `where` zeroes them anyway.
+  group = jnp.where(valid, ids, E)
   order = jnp.argsort(group, stable=True)
   group_sizes = jnp.bincount(group, length=E + 1)[:E].astype(jnp.int32)
-  xs = x[order // k]
+  xs = x_rows[order]
   dot = functools.partial(ragged_dot, group_sizes=group_sizes,
-                          preferred_element_type=f32, precision=_precision(x.dtype))
-  h = swiglu(dot(xs, w_gate), dot(xs, w_up), x.dtype)
-  y_routed = dot(h, w_down).astype(x.dtype)
+                          preferred_element_type=jnp.float32, precision=_precision(x_rows.dtype))
+  out = dot(swiglu(dot(xs, w_gate), dot(xs, w_up), x_rows.dtype), w_down)
   inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-  y_routed = y_routed[inverse].reshape(T, k, w_down.shape[-1])
-  w = jnp.where(valid, weights, 0.0)
-  y_routed = jnp.where(valid[:, :, None], y_routed, 0).astype(f32)
-  y = jnp.einsum("tkh,tk->th", y_routed, w, precision=_precision(jnp.float32))
-  if shared is not None:
-    y = y + shared_mlp(x, shared)
-  return y.astype(out_dtype)
+  return jnp.where(valid[:, None], out[inverse], 0.0)
+
+
+def combine(rows, slot, weights, extra, out_dtype):
+  """out[t] = round(sum_j weights[t, j] rows[slot[t, j]] in j order + extra[t]), summed in f32.
+
+  rows (N, H) of x's dtype; slot (T, k) int32, -1: no row (the route contributes nothing,
+  whatever its weight); weights None (every weight 1) or (T, k) f32; extra None or (T, H) f32.
+  The forward's y and the backward's dx on the XLA backend, on one device and under expert
+  parallelism alike: the same ops on the same rows give the same bits.
+  """
+  has = slot >= 0
+  got = jnp.where(has[..., None], rows[jnp.maximum(slot, 0)], 0).astype(jnp.float32)
+  if weights is not None:
+    # Each product rounded to f32 on its own before it is added: a compiler may fuse a multiply
+    # and the add after it into an FMA in one program and not in another, which would change
+    # y's bits with the number of ranks. An integer step between them is what no compiler fuses
+    # through: p | [p == ~0] is p (all ones already has its low bit set), but no compiler
+    # knows it, even where it knows p.
+    product = jax.lax.bitcast_convert_type(weights[..., None] * got, jnp.uint32)
+    product = product | (product == jnp.uint32(0xFFFFFFFF)).astype(jnp.uint32)
+    got = jax.lax.bitcast_convert_type(product, jnp.float32)
+  terms = jnp.where(has[..., None], got, 0.0)
+  acc = jnp.zeros((slot.shape[0], rows.shape[1]), jnp.float32)
+  for j in range(slot.shape[1]):
+    acc = acc + terms[:, j]
+  if extra is not None:
+    acc = acc + extra
+  return acc.astype(out_dtype)

@@ -16,13 +16,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 ARGS_H = (ROOT / "ffi" / "moe_args.h").read_text()
 FWD = ops.FWD_OPERANDS + ops.FWD_RESULTS
 BWD = ops.BWD_OPERANDS + ops.BWD_RESULTS
+COMBINE = ops.COMBINE_OPERANDS + ops.COMBINE_RESULTS
 
 
 def _bound_names(binder: str) -> tuple[str, ...]:
   """The buffer names of BindMoeFwd / BindMoeBwd, from the comment on each Arg and Ret."""
   body = ARGS_H[ARGS_H.index(f"auto {binder}("):]
   body = body[:body.index("\n}\n")]
-  return tuple(re.findall(r"template (?:Arg|Ret)<ffi::AnyBuffer>\(\)\s*// (?:scratch )?(\w+)",
+  return tuple(re.findall(r"template (?:Arg|Ret)<ffi::AnyBuffer>\(\);?\s*// (?:scratch )?(\w+)",
                           body))
 
 
@@ -42,6 +43,7 @@ def _handler_params(path: str, function: str) -> tuple[str, ...]:
 def test_bindings_name_the_table():
   assert _bound_names("BindMoeFwd") == FWD
   assert _bound_names("BindMoeBwd") == BWD
+  assert _bound_names("BindMoeCombine") == COMBINE
 
 
 def test_structs_hold_the_table():
@@ -55,7 +57,9 @@ def test_structs_hold_the_table():
 
 @pytest.mark.parametrize("path, function, names", [
     ("moe_fwd_cpu.cc", "MoeFwd", FWD), ("moe_fwd_cuda.cc", "MoeFwdCuda", FWD),
-    ("moe_bwd_cpu.cc", "MoeBwd", BWD), ("moe_bwd_cuda.cc", "MoeBwdCuda", BWD)])
+    ("moe_bwd_cpu.cc", "MoeBwd", BWD), ("moe_bwd_cuda.cc", "MoeBwdCuda", BWD),
+    ("moe_combine_cpu.cc", "MoeCombine", COMBINE),
+    ("moe_combine_cuda.cc", "MoeCombineCuda", COMBINE)])
 def test_handlers_take_the_table(path, function, names):
   assert _handler_params(path, function) == names
 

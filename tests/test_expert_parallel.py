@@ -1,6 +1,9 @@
-"""Expert parallelism on CPU devices: mok_jax.moe inside jax.shard_map with axis_name, experts
-and tokens sharded over the same mesh axis, equals the single-device layer, forward and
-gradients (jax.grad of a loss of the shard_mapped function), for EP sizes 1, 2, 4 and 8."""
+"""Expert parallelism on CPU devices (mok_jax.expert_parallel): mok_jax.moe inside
+jax.shard_map with axis_name, experts and tokens sharded over the same mesh axis, gives the
+single-device layer's bits for y and every gradient on the `ffi` backend (the shared expert's
+weight gradients, which ranks sum as data parallelism does, to rounding) and its results to
+rounding on the `xla` backend, for EP sizes 1, 2, 4 and 8, f32 and bf16, random and adversarial
+routing."""
 
 import functools
 
@@ -18,30 +21,88 @@ from cases import (BF16, BF16_GRAD_RTOL, BF16_RTOL, CPU_BACKENDS, F32, F32_RTOL,
 
 T, H, I, E, K, IS = 24, 16, 8, 8, 3, 8  # T and E divide by every EP size up to 8
 OUT_OF_RANGE = (-1, E, 2**31 - 1)
+SHARED_GRADS = ("ws_gate", "ws_up", "ws_down")
 
 
-def ep_case(Is, dtype=F32, seed=0):
+def routing(name, seed=0):
+  """(T, K) global ids: "random" (distinct ids a token, three out of range on the first,
+  middle and last rank's tokens), "one_rank" (every route to the last rank's experts: the
+  other ranks receive nothing), "one_expert" (every route of every token to expert 1, k
+  times), "sparse" (most routes out of range, so that most ranks send nothing)."""
   rng = np.random.default_rng(seed)
-  experts = distinct_experts(rng, T, K, E)
-  experts[1, 2], experts[10, 0], experts[T - 1, 1] = OUT_OF_RANGE  # on the first/middle/last rank
-  return make_case(T=T, H=H, I=I, E=E, Is=Is, dtype=dtype, experts=experts, seed=seed)
+  if name == "random":
+    experts = distinct_experts(rng, T, K, E)
+    experts[1, 2], experts[10, 0], experts[T - 1, 1] = OUT_OF_RANGE
+  elif name == "one_rank":
+    experts = rng.integers(E - 1, E, (T, K))  # the last expert: the last rank at every EP size
+  elif name == "one_expert":
+    experts = np.ones((T, K), np.int32)
+  else:
+    experts = np.full((T, K), -1, np.int32)
+    experts[5, 1], experts[17, 0], experts[17, 2] = 3, 6, 0
+  return experts.astype(np.int32)
+
+
+def ep_case(Is, dtype=F32, seed=0, route="random"):
+  return make_case(T=T, H=H, I=I, E=E, Is=Is, dtype=dtype, experts=routing(route, seed),
+                   seed=seed)
 
 
 @functools.cache
-def single_device(backend, Is, dtype=F32, seed=0):
-  return loss_and_grads(ep_case(Is, dtype, seed), backend)
+def single_device(backend, Is, dtype=F32, seed=0, route="random"):
+  return loss_and_grads(ep_case(Is, dtype, seed, route), backend)
 
 
+def bits(a):
+  a = np.asarray(a)
+  return a.view({2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+def assert_same_bits(got, want, what):
+  assert got.dtype == want.dtype, (what, got.dtype, want.dtype)
+  differ = bits(got) != bits(want)
+  assert not differ.any(), (
+      f"{what}: {differ.sum()} of {differ.size} values differ in their bits, e.g. "
+      f"{np.asarray(got)[differ][:4]} against {np.asarray(want)[differ][:4]}")
+
+
+def assert_ep_bits(y, grads, want_y, want_grads, tag, dtype=F32, backend="ffi"):
+  """The FFI backends: y and every gradient in the same bits (the shared expert's weight
+  gradients to rounding). The XLA backend: to rounding, since XLA:CPU's grouped matmul
+  (jax.lax.ragged_dot) gives a row bits that depend on the number of groups, E / P."""
+  rtol, grad_rtol = (F32_RTOL, F32_RTOL) if dtype == F32 else (BF16_RTOL, BF16_GRAD_RTOL)
+  if backend == "xla":
+    assert_close(y, want_y, rtol, f"{tag} y")
+    assert_grads_close(grads, want_grads, grad_rtol, tag)
+    return
+  assert_same_bits(y, want_y, f"{tag} y")
+  for name, want in want_grads.items():
+    if name in SHARED_GRADS:
+      assert_close(grads[name], want, grad_rtol, f"{tag} {name}")
+    else:
+      assert_same_bits(grads[name], want, f"{tag} d{name}")
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("Is", [None, IS], ids=["routed", "shared"])
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("ep", [1, 2, 4, 8])
-def test_ep_matches_single_device(ep, backend, Is):
-  case = ep_case(Is)
+def test_ep_has_the_single_device_bits(ep, backend, Is, dtype):
+  case = ep_case(Is, dtype)
   y, grads = sharded_loss_and_grads(case, backend, mesh_of(ep), P("ep"), P("ep"), "ep")
-  want_y, want_grads = single_device(backend, Is)
-  assert_close(y, want_y, F32_RTOL, f"EP={ep} y")
-  assert_grads_close(grads, want_grads, F32_RTOL, f"EP={ep}")
+  want_y, want_grads = single_device(backend, Is, dtype)
+  assert_ep_bits(y, grads, want_y, want_grads, f"EP={ep} {backend}", dtype, backend)
   assert np.all(grads["weights"][[1, 10, T - 1], [2, 0, 1]] == 0)
+
+
+@pytest.mark.parametrize("route", ["one_rank", "one_expert", "sparse"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("ep", [2, 8])
+def test_ep_bits_under_adversarial_routing(ep, backend, route):
+  case = ep_case(IS, BF16, seed=4, route=route)
+  y, grads = sharded_loss_and_grads(case, backend, mesh_of(ep), P("ep"), P("ep"), "ep")
+  want_y, want_grads = single_device(backend, IS, BF16, seed=4, route=route)
+  assert_ep_bits(y, grads, want_y, want_grads, f"EP={ep} {backend} {route}", BF16, backend)
 
 
 def test_single_device_matches_oracle():
@@ -54,14 +115,42 @@ def test_single_device_matches_oracle():
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_ep_bf16(backend):
-  """bf16 partial outputs are reduced in f32 and rounded once, at the token's home rank."""
-  case = ep_case(IS, BF16, seed=1)
-  y, grads = sharded_loss_and_grads(case, backend, mesh_of(4), P("ep"), P("ep"), "ep")
-  want_y, want_grads = single_device(backend, IS, BF16, seed=1)
-  assert y.dtype == want_y.dtype
-  assert_close(y, want_y, BF16_RTOL, "y")
-  assert_grads_close(grads, want_grads, BF16_GRAD_RTOL, "EP=4 bf16")
+def test_capacity_bounds_the_sends(backend):
+  """Config.ep_capacity: enough for the routing gives the dropless bits; too little fails with
+  an error naming the rows needed, never a silent drop."""
+  case = ep_case(None, route="one_rank")  # each rank sends its T/ep * K routes to the last rank
+  ep = 4
+  need = T // ep * K
+  want_y, want_grads = single_device(backend, None, route="one_rank")
+  enough = mok_jax.Config(ep_capacity=need)
+  y, grads = sharded_loss_and_grads(case, backend, mesh_of(ep), P("ep"), P("ep"), "ep", enough)
+  assert_ep_bits(y, grads, want_y, want_grads, f"capacity {need}", F32, backend)
+  short = mok_jax.Config(ep_capacity=need - 1)
+  with pytest.raises(Exception, match=f"sends {need} routed rows to one rank, more than "
+                                      f"Config.ep_capacity = {need - 1}"):
+    y, _ = sharded_loss_and_grads(case, backend, mesh_of(ep), P("ep"), P("ep"), "ep", short)
+    jax.block_until_ready(y)
+  try:  # the other ranks' and the backward's reports of the same overflow
+    jax.effects_barrier()
+  except Exception:  # pylint: disable=broad-except
+    pass
+
+
+def test_nvlink_transport_is_not_available_yet():
+  case = ep_case(None)
+  with pytest.raises(ValueError, match=r"ep_transport='nvlink'\) is not available yet"):
+    sharded_loss_and_grads(case, "ffi", mesh_of(2), P("ep"), P("ep"), "ep",
+                           mok_jax.Config(ep_transport="nvlink"))
+
+
+@pytest.mark.parametrize("bad", ["ring", None, 3])
+def test_config_rejects_bad_ep_fields(bad):
+  with pytest.raises(ValueError, match="ep_transport"):
+    mok_jax.Config(ep_transport=bad)
+  with pytest.raises(ValueError, match="ep_capacity"):
+    mok_jax.Config(ep_capacity=0)
+  with pytest.raises(ValueError, match="ep_capacity"):
+    mok_jax.Config(ep_capacity=2.5)
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -125,10 +214,13 @@ def ffi_calls(jaxpr):
 
 @pytest.mark.parametrize("ep", [1, 4])
 def test_ep_tells_the_targets_its_ranks(ep):
-  """Under shard_map each rank's forward and backward call gets `ranks` = the EP size: the
-  CUDA kernel's launch choices then expect a rank's share of the routes, not all of them."""
+  """Under shard_map each rank's expert call, forward and backward, gets `ranks` = the EP size:
+  the CUDA kernel's launch choices then expect a rank's share of the routes, not all of them;
+  the home rank's combines (y, then dx) are mok_moe_combine calls."""
   case = ep_case(None)
   f = sharded_grad_fn(case, "ffi", mesh_of(ep), P("ep"), P("ep"), "ep")
   calls = ffi_calls(jax.make_jaxpr(f)(*case.params()).jaxpr)
-  assert sorted(e.params["target_name"] for e in calls) == ["mok_moe_bwd", "mok_moe_fwd"]
-  assert all(int(dict(e.params["attributes"])["ranks"]) == ep for e in calls)
+  names = sorted(e.params["target_name"] for e in calls)
+  assert names == ["mok_moe_bwd", "mok_moe_combine", "mok_moe_combine", "mok_moe_fwd"], names
+  assert all(int(dict(e.params["attributes"])["ranks"]) == ep for e in calls
+             if e.params["target_name"] != "mok_moe_combine")

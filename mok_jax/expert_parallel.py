@@ -1,0 +1,249 @@
+"""The routed layer: each route's token row goes to the rank that holds its expert, and each
+route's output comes back to its one home slot (t, j).
+
+`plan` lays a rank's routes out in (P, C) send slots, on every rank from its own routing and
+with no host sync: its routes to rank d in ascending (t, j), in block d, C slots a block (C =
+Config.ep_capacity, or T k: dropless). An all_to_all of those blocks (`exchange`) hands rank d
+every rank's rows for its experts, source rank by source rank, so that rank d sees them in
+global token order, as one device does; rows that stay home do not leave the device. Its
+experts run on exactly those rows, each a token of one route of weight 1: the result is each
+route's unweighted output, with the bits one device gives it. The reverse all_to_all brings
+each output to its home slot, and the home rank sums its k slots in j order, then the shared
+expert's output, with one device's arithmetic (mok_moe_combine on the FFI backends,
+reference.combine on XLA): y has the same bits for every P. The backward mirrors it: dy to the
+owners, each route's dx and dweights back to their slots, dx summed in j order; each expert's
+weight gradients sum over its rows on its owner, in global token order, as one device sums them.
+The shared expert runs at home on the rank's own tokens (data parallel: its weight gradients are
+summed over ranks by shard_map, so they match one device to rounding, not in every bit).
+
+With P = 1 (no axis_name) the exchanges are the identity: the XLA backend's layer is this one on
+every mesh, and the FFI backends' EP = 1 has the bits of their fused single-device call.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from mok_jax import ops, reference
+from mok_jax.config import Config
+
+
+class Plan(NamedTuple):
+  """Where a rank's routes go (see the module's docstring); integers only, not differentiated."""
+
+  route: jax.Array  # (P C,) int32: the route t k + j in each send slot; -1 for an empty slot
+  slot: jax.Array  # (T, k) int32: the send slot of route (t, j); -1 for an id outside [0, E)
+  need: jax.Array  # () int32: the most routes this rank sends to one rank
+
+
+def capacity(T: int, k: int, config: Config) -> int:
+  """C, the send slots of one (source, destination) block: T k (every route of a rank to one
+  rank: dropless) unless Config.ep_capacity bounds it."""
+  return T * k if config.ep_capacity is None else min(config.ep_capacity, T * k)
+
+
+def plan(experts, n_local: int, n_ranks: int, C: int) -> Plan:
+  """The send layout of routes `experts` (T, k) global ids, expert e held by rank e // n_local:
+  block d holds the routes to rank d in ascending (t, j), the first C of them."""
+  T, k = experts.shape
+  ids = experts.reshape(-1)
+  valid = (ids >= 0) & (ids < n_local * n_ranks)  # compared before any cast: no id wraps
+  dest = jnp.where(valid, ids // n_local, n_ranks).astype(jnp.int32)
+  order = jnp.argsort(dest, stable=True).astype(jnp.int32)
+  counts = jnp.bincount(dest, length=n_ranks + 1).astype(jnp.int32)
+  first = jnp.cumsum(counts) - counts
+  to = dest[order]
+  at = jnp.arange(T * k, dtype=jnp.int32) - first[to]
+  fits = (to < n_ranks) & (at < C)
+  sorted_slot = jnp.where(fits, to * C + at, -1)
+  slot = jnp.zeros((T * k,), jnp.int32).at[order].set(sorted_slot)
+  # Slots that nothing fills keep -1; a route past C (an overflow, reported by check_capacity)
+  # is dropped by the scatter instead of being written out of bounds.
+  route = jnp.full((n_ranks * C,), -1, jnp.int32).at[
+      jnp.where(fits, sorted_slot, n_ranks * C)].set(order, mode="drop")
+  return Plan(route, slot.reshape(T, k), jnp.max(counts[:n_ranks], initial=0))
+
+
+def _raise_overflow(need, C):
+  if int(need) > C:
+    raise ValueError(
+        f"mok_jax.moe: a rank sends {int(need)} routed rows to one rank, more than "
+        f"Config.ep_capacity = {C}; raise ep_capacity (or leave it None: dropless)")
+
+
+def check_capacity(p: Plan, C: int, config: Config):
+  """With Config.ep_capacity set, an error from the device when a rank needs more than C slots
+  towards some rank (a host callback each call: the price of a bound). Dropless needs none."""
+  if config.ep_capacity is not None:
+    jax.debug.callback(functools.partial(_raise_overflow, C=C), p.need)
+
+
+def exchange(a, axis_name, n_ranks: int):
+  """(P C, ...) in blocks by destination rank -> (P C, ...) in blocks by source rank: block d of
+  every rank goes to rank d. Its own inverse; the identity on one rank."""
+  if axis_name is None:
+    return a
+  blocks = a.reshape(n_ranks, -1, *a.shape[1:])
+  return jax.lax.all_to_all(blocks, axis_name, 0, 0, tiled=True).reshape(a.shape)
+
+
+def _per_slot(a, route, k=1):
+  """a[route // k] for each send slot (a's rows are tokens with k = the routes a token, or
+  routes with k = 1), zeros in empty slots: (P C, ...)."""
+  got = a[jnp.maximum(route, 0) // k]
+  return jnp.where((route >= 0).reshape(-1, *(1,) * (a.ndim - 1)), got, jnp.zeros((), a.dtype))
+
+
+class XlaPieces(NamedTuple):
+  """The routed layer's parts on the XLA backend (reference.py)."""
+
+  ragged_dot: object = None  # None: reference.expert_rows' own
+
+  def experts_fwd(self, x_rows, ids, weights):
+    f = functools.partial(reference.expert_rows, ragged_dot=self.ragged_dot)
+    out, vjp = jax.vjp(lambda xr, w: f(xr, ids, *w), x_rows, weights)
+    return out.astype(x_rows.dtype), (x_rows, vjp)
+
+  def experts_bwd(self, res, dy_rows, w_rows, rows_out):
+    x_rows, vjp = res
+    dy32 = dy_rows.astype(jnp.float32)
+    dx_rows, dweights = vjp(w_rows[:, None] * dy32)
+    # d y / d w of a route: <dy, its output as combined>.
+    dw_rows = jnp.sum(dy32 * rows_out.astype(jnp.float32), axis=-1)
+    return dx_rows.astype(x_rows.dtype), dw_rows, dweights
+
+  def combine(self, rows, slot, weights, extra, out_dtype):
+    return reference.combine(rows, slot, weights, extra, out_dtype)
+
+  def shared_fwd(self, x, shared):
+    out, vjp = jax.vjp(reference.shared_mlp, x, shared)
+    return out, vjp
+
+  def shared_bwd(self, vjp, dy):
+    dx, dshared = vjp(dy.astype(jnp.float32))
+    return dx.astype(jnp.float32), dshared
+
+
+class FfiPieces(NamedTuple):
+  """The routed layer's parts on the FFI backends: the fused targets on routes of one row each
+  (mok_moe_fwd with k = 1 and weight 1 gives each route's unweighted output, and mok_moe_bwd
+  with the route's weight its dx and dweights) and mok_moe_combine at home."""
+
+  config: Config
+  ranks: int
+
+  def _call(self, f, x, *args, **kw):
+    out = f(x, *args, **kw)
+    return reference.vary(out, reference.varying_axes(x))
+
+  def experts_fwd(self, x_rows, ids, weights):
+    N = x_rows.shape[0]
+    ones = jnp.ones((N, 1), jnp.float32)
+    rows, res = self._call(ops.moe_fwd, x_rows, ids[:, None], ones, *weights, None,
+                           out_dtype=x_rows.dtype, block_m=self.config.block_m,
+                           recompute=self.config.recompute, ranks=self.ranks)
+    res = ops.Residuals(*(None if r.size == 0 else r for r in res))
+    return rows, (x_rows, ids, weights, res)
+
+  def experts_bwd(self, res, dy_rows, w_rows, rows_out):
+    del rows_out
+    x_rows, ids, weights, residuals = res
+    g = self._call(ops.moe_bwd, dy_rows, x_rows, ids[:, None], w_rows[:, None], *weights, None,
+                   residuals, block_m=self.config.block_m, recompute=self.config.recompute,
+                   ranks=self.ranks)
+    return g.x, g.weights[:, 0], (g.w_gate, g.w_up, g.w_down)
+
+  def combine(self, rows, slot, weights, extra, out_dtype):
+    extra = None if extra is None else extra.astype(rows.dtype)
+    return self._call(ops.moe_combine, rows, slot, weights, extra, out_dtype=out_dtype)
+
+  def _no_routes(self, x, shared):
+    T, H, Is = x.shape[0], x.shape[1], shared[0].shape[1]
+    # The shared expert alone: mok_moe_fwd with no route (one expert that nobody picks, of the
+    # shared expert's own width), whose y is the shared output with the bits the fused call
+    # adds to each token.
+    none = jnp.zeros((1, H, Is), x.dtype), jnp.zeros((1, H, Is), x.dtype)
+    return (jnp.full((T, 1), -1, jnp.int32), jnp.zeros((T, 1), jnp.float32), *none,
+            jnp.zeros((1, Is, H), x.dtype))
+
+  def shared_fwd(self, x, shared):
+    routes = self._no_routes(x, shared)
+    y, res = self._call(ops.moe_fwd, x, *routes, shared, out_dtype=x.dtype,
+                        block_m=self.config.block_m, recompute=self.config.recompute,
+                        ranks=1)
+    res = ops.Residuals(*(None if r.size == 0 else r for r in res))
+    return y, (x, shared, res)
+
+  def shared_bwd(self, saved, dy):
+    x, shared, res = saved
+    g = self._call(ops.moe_bwd, dy, x, *self._no_routes(x, shared), shared, res,
+                   block_m=self.config.block_m, recompute=self.config.recompute, ranks=1)
+    return g.x, g.shared
+
+
+def routed_moe(x, experts, weights, w_gate, w_up, w_down, shared, *, pieces, axis_name,
+               config: Config):
+  """y of `mok_moe`'s contract, routed as the module's docstring says.
+
+  x (T, H); experts (T, k) global ids (int); weights (T, k) f32; w_gate, w_up (E_local, H, I),
+  w_down (E_local, I, H) the experts of this rank; shared None or its three weights; pieces:
+  XlaPieces or FfiPieces; axis_name: the shard_map axis of the experts, or None (one rank).
+  """
+  if config.ep_transport == "nvlink" and axis_name is not None:
+    raise ValueError("moe: Config(ep_transport='nvlink') is not available yet: the CUDA "
+                     "kernels' own NVLink transport is still to come; use 'collective' or 'auto'")
+  n_ranks = 1 if axis_name is None else int(jax.lax.axis_size(axis_name))
+  T, k = experts.shape
+  C = capacity(T, k, config)
+  p = plan(experts, w_gate.shape[0], n_ranks, C)
+  check_capacity(p, C, config)
+  # Each send slot's expert as its destination holds it: rank e // E_local's expert e % E_local.
+  ids = _per_slot(experts.reshape(-1) % w_gate.shape[0], p.route).astype(jnp.int32)
+  ids = jnp.where(p.route >= 0, ids, -1)
+  args = (x, weights, (w_gate, w_up, w_down), shared)
+  axes = frozenset().union(*map(reference.varying_axes, jax.tree.leaves((args, p, ids))))
+  args, (p, ids) = reference.vary((args, (p, ids)), axes)
+  return _routed_vjp(pieces, axis_name, n_ranks)(*args, p, ids)
+
+
+@functools.lru_cache(maxsize=None)
+def _routed_vjp(pieces, axis_name, n_ranks):
+  """The routed layer's custom VJP for these static parts (cached, so that jit sees one
+  function for one layer)."""
+
+  def forward(x, weights, experts_w, shared, p, ids):
+    k = p.slot.shape[1]
+    send = functools.partial(exchange, axis_name=axis_name, n_ranks=n_ranks)
+    x_recv = send(_per_slot(x, p.route, k))
+    ids_recv = send(ids)
+    w_recv = send(_per_slot(weights.reshape(-1), p.route))
+    rows_out, experts_res = pieces.experts_fwd(x_recv, ids_recv, experts_w)
+    rows_back = send(rows_out)
+    extra, shared_res = (None, None) if shared is None else pieces.shared_fwd(x, shared)
+    y = pieces.combine(rows_back, p.slot, weights, extra, x.dtype)
+    saved = (x, weights, p, w_recv, experts_res, rows_out, rows_back, shared_res)
+    return y, saved
+
+  @jax.custom_vjp
+  def layer(x, weights, experts_w, shared, p, ids):
+    return forward(x, weights, experts_w, shared, p, ids)[0]
+
+  def backward(saved, dy):
+    x, weights, p, w_recv, experts_res, rows_out, rows_back, shared_res = saved
+    k = p.slot.shape[1]
+    send = functools.partial(exchange, axis_name=axis_name, n_ranks=n_ranks)
+    dy_recv = send(_per_slot(dy, p.route, k))
+    dx_recv, dw_recv, d_experts = pieces.experts_bwd(experts_res, dy_recv, w_recv, rows_out)
+    dx_back, dw_back = send(dx_recv), send(dw_recv)
+    dx_extra, d_shared = (None, None) if shared_res is None else pieces.shared_bwd(shared_res,
+                                                                                   dy)
+    dx = pieces.combine(dx_back, p.slot, None, dx_extra, x.dtype)
+    dweights = jnp.where(p.slot >= 0, dw_back[jnp.maximum(p.slot, 0)], 0.0)
+    return dx, dweights.astype(weights.dtype), d_experts, d_shared, None, None
+
+  layer.defvjp(forward, backward)
+  return layer
