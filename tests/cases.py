@@ -229,6 +229,34 @@ def bits(a):
   return a.dtype, a.shape, a.tobytes()
 
 
+def assert_same_bits(got, want, what):
+  """got and want hold the same bits (-0.0 is not 0.0; a NaN equals itself)."""
+  got, want = np.asarray(got), np.asarray(want)
+  assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, want.dtype)
+  view = {2: np.uint16, 4: np.uint32}[got.dtype.itemsize]
+  differ = got.view(view) != want.view(view)
+  assert not differ.any(), (
+      f"{what}: {differ.sum()} of {differ.size} values differ in their bits, e.g. "
+      f"{np.asarray(got)[differ][:4]} against {np.asarray(want)[differ][:4]}")
+
+
+def assert_ep_bits(y, grads, want_y, want_grads, tag, dtype=F32, backend="ffi"):
+  """The FFI backends: y and every gradient in the same bits (the shared expert's weight
+  gradients to rounding). The XLA backend: to rounding, since XLA:CPU's grouped matmul
+  (jax.lax.ragged_dot) gives a row bits that depend on the number of groups, E / P."""
+  rtol, grad_rtol = (F32_RTOL, F32_RTOL) if dtype == F32 else (BF16_RTOL, BF16_GRAD_RTOL)
+  if backend == "xla":
+    assert_close(y, want_y, rtol, f"{tag} y")
+    assert_grads_close(grads, want_grads, grad_rtol, tag)
+    return
+  assert_same_bits(y, want_y, f"{tag} y")
+  for name, want in want_grads.items():
+    if name in GRAD_NAMES[5:]:
+      assert_close(grads[name], want, grad_rtol, f"{tag} {name}")
+    else:
+      assert_same_bits(grads[name], want, f"{tag} d{name}")
+
+
 # Shapes of the CUDA tests (T, H, I, E, k, Is): tails of every tile (I % 128 == 64,
 # H % 256 != 0), k = E, T = 1, a shared expert; and the most experts a GPU takes (512) for few
 # tokens, so that most experts are empty and the others mostly padding rows.

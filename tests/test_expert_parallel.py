@@ -15,13 +15,12 @@ from jax.sharding import PartitionSpec as P
 
 import mok_jax
 import oracle
-from cases import (BF16, BF16_GRAD_RTOL, BF16_RTOL, CPU_BACKENDS, F32, F32_RTOL, assert_close,
+from cases import (BF16, CPU_BACKENDS, F32, F32_RTOL, assert_close, assert_ep_bits,
                    assert_grads_close, distinct_experts, loss_and_grads, make_case, mesh_of,
                    sharded_grad_fn, sharded_loss_and_grads)
 
 T, H, I, E, K, IS = 24, 16, 8, 8, 3, 8  # T and E divide by every EP size up to 8
 OUT_OF_RANGE = (-1, E, 2**31 - 1)
-SHARED_GRADS = ("ws_gate", "ws_up", "ws_down")
 
 
 def routing(name, seed=0):
@@ -51,36 +50,6 @@ def ep_case(Is, dtype=F32, seed=0, route="random"):
 @functools.cache
 def single_device(backend, Is, dtype=F32, seed=0, route="random"):
   return loss_and_grads(ep_case(Is, dtype, seed, route), backend)
-
-
-def bits(a):
-  a = np.asarray(a)
-  return a.view({2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
-
-
-def assert_same_bits(got, want, what):
-  assert got.dtype == want.dtype, (what, got.dtype, want.dtype)
-  differ = bits(got) != bits(want)
-  assert not differ.any(), (
-      f"{what}: {differ.sum()} of {differ.size} values differ in their bits, e.g. "
-      f"{np.asarray(got)[differ][:4]} against {np.asarray(want)[differ][:4]}")
-
-
-def assert_ep_bits(y, grads, want_y, want_grads, tag, dtype=F32, backend="ffi"):
-  """The FFI backends: y and every gradient in the same bits (the shared expert's weight
-  gradients to rounding). The XLA backend: to rounding, since XLA:CPU's grouped matmul
-  (jax.lax.ragged_dot) gives a row bits that depend on the number of groups, E / P."""
-  rtol, grad_rtol = (F32_RTOL, F32_RTOL) if dtype == F32 else (BF16_RTOL, BF16_GRAD_RTOL)
-  if backend == "xla":
-    assert_close(y, want_y, rtol, f"{tag} y")
-    assert_grads_close(grads, want_grads, grad_rtol, tag)
-    return
-  assert_same_bits(y, want_y, f"{tag} y")
-  for name, want in want_grads.items():
-    if name in SHARED_GRADS:
-      assert_close(grads[name], want, grad_rtol, f"{tag} {name}")
-    else:
-      assert_same_bits(grads[name], want, f"{tag} d{name}")
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])

@@ -1,6 +1,7 @@
 """Expert parallelism over real GPUs (marked multigpu: needs 2 or more): mok_jax.moe with the
 CUDA backend inside jax.shard_map over every GPU (a power of two, up to 8), its tokens and
-experts sharded over one mesh axis, against the same layer on one GPU and the XLA backend;
+experts sharded over one mesh axis, against the same layer on one GPU (its bits) and the XLA
+backend (to rounding);
 bitwise repeatable; data parallelism with replicated experts. The CPU tests
 (test_expert_parallel.py) check the same on CPU devices against the float64 oracle."""
 
@@ -13,8 +14,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from cases import (BF16, BF16_GRAD_RTOL, BF16_RTOL, assert_close, assert_grads_close, bits,
-                   distinct_experts, loss_and_grads, make_case, mesh_of, sharded_loss_and_grads)
+import mok_jax
+from cases import (BF16, BF16_GRAD_RTOL, BF16_RTOL, assert_close, assert_ep_bits,
+                   assert_grads_close, bits, distinct_experts, loss_and_grads, make_case, mesh_of,
+                   sharded_loss_and_grads)
 
 pytestmark = pytest.mark.multigpu
 
@@ -42,15 +45,19 @@ def one_gpu(backend, seed):
   return loss_and_grads(case_of(seed), backend)
 
 
-def test_ep_over_every_gpu_matches_one_gpu():
+@pytest.mark.parametrize("ep_capacity", [None, T // 2 * K], ids=["dropless", "bounded"])
+def test_ep_over_every_gpu_has_one_gpus_bits(ep_capacity):
+  """The same bits as the fused call on one GPU for y and every gradient (the shared expert's
+  weight gradients, summed over ranks, to rounding), and the XLA backend's to rounding."""
   n = ranks()
   case = case_of(0)
-  y, grads = sharded_loss_and_grads(case, "cuda", mesh_of(n), P("ep"), P("ep"), "ep")
-  for backend in ("cuda", "xla"):
-    want_y, want_grads = one_gpu(backend, 0)
-    assert y.dtype == want_y.dtype
-    assert_close(y, want_y, BF16_RTOL, f"EP={n} y vs one GPU ({backend})")
-    assert_grads_close(grads, want_grads, BF16_GRAD_RTOL, f"EP={n} vs one GPU ({backend})")
+  config = mok_jax.Config(ep_capacity=ep_capacity)
+  y, grads = sharded_loss_and_grads(case, "cuda", mesh_of(n), P("ep"), P("ep"), "ep", config)
+  want_y, want_grads = one_gpu("cuda", 0)
+  assert_ep_bits(y, grads, want_y, want_grads, f"EP={n}", BF16, "cuda")
+  want_y, want_grads = one_gpu("xla", 0)
+  assert_close(y, want_y, BF16_RTOL, f"EP={n} y vs one GPU (xla)")
+  assert_grads_close(grads, want_grads, BF16_GRAD_RTOL, f"EP={n} vs one GPU (xla)")
   assert np.all(grads["weights"][[1, T // 2, T - 1], [2, 0, 3]] == 0)
 
 
