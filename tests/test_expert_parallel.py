@@ -9,6 +9,7 @@ import functools
 
 import jax
 import jax.extend
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -16,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 import mok_jax
 import oracle
 from cases import (BF16, CPU_BACKENDS, F32, F32_RTOL, assert_close, assert_ep_bits,
-                   assert_grads_close, distinct_experts, loss_and_grads, make_case, mesh_of,
+                   assert_grads_close, assert_same_bits, distinct_experts, loss_and_grads, make_case, mesh_of,
                    sharded_grad_fn, sharded_loss_and_grads)
 
 T, H, I, E, K, IS = 24, 16, 8, 8, 3, 8  # T and E divide by every EP size up to 8
@@ -193,3 +194,36 @@ def test_ep_tells_the_targets_its_ranks(ep):
   assert names == ["mok_moe_bwd", "mok_moe_combine", "mok_moe_combine", "mok_moe_fwd"], names
   assert all(int(dict(e.params["attributes"])["ranks"]) == ep for e in calls
              if e.params["target_name"] != "mok_moe_combine")
+
+
+@pytest.mark.parametrize("remat", [False, True], ids=["scan", "scan+remat"])
+def test_ep_bits_under_scan_over_layers(remat):
+  """Two layers of stacked experts under lax.scan (and jax.checkpoint of the body), jit and
+  grad: EP = 4 gives the single device's bits on the ffi backend."""
+  L, ep = 2, 4
+  rng = np.random.default_rng(7)
+  case = ep_case(None)
+  stack = lambda a: jnp.stack([a, a * 0.5])  # noqa: E731
+  params = (case.weights, stack(case.w_gate), stack(case.w_up), stack(case.w_down))
+  routes = jnp.asarray(np.stack([routing("random", 7), distinct_experts(rng, T, K, E)]))
+
+  def layers(x, weights, w_gate, w_up, w_down, routes, axis_name):
+    def body(h, layer):
+      g, u, d, e = layer
+      y = mok_jax.moe(h, e, weights, g, u, d, axis_name=axis_name, backend="ffi")
+      return h + y, None
+    body = jax.checkpoint(body) if remat else body
+    return jax.lax.scan(body, x, (w_gate, w_up, w_down, routes))[0]
+
+  def loss_of(f):
+    return jax.jit(jax.value_and_grad(
+        lambda x, *p: jnp.sum(f(x, *p, routes) * case.dy), argnums=tuple(range(5))))
+
+  one = loss_of(functools.partial(layers, axis_name=None))
+  tok, ex = P("ep"), P(None, "ep")
+  sharded = jax.shard_map(functools.partial(layers, axis_name="ep"), mesh=mesh_of(ep),
+                          in_specs=(tok, tok, ex, ex, ex, P(None, "ep")), out_specs=tok)
+  many = loss_of(sharded)
+  (_, want), (_, got) = one(case.x, *params), many(case.x, *params)
+  for name, a, b in zip(("x", "weights", "w_gate", "w_up", "w_down"), got, want):
+    assert_same_bits(a, b, f"EP={ep} d{name}")
