@@ -1,5 +1,5 @@
 // Launchers of the CUDA kernels, callable from the FFI handlers. Plain C++: neither XLA's nor
-// CuTe's headers are visible here (DESIGN.md: they never meet in one translation unit).
+// CuTe's headers are visible here (docs/design.md: they never meet in one translation unit).
 #pragma once
 
 #include <cstdint>

@@ -1,5 +1,6 @@
 // Scalar helpers of the C++ CPU reference targets: the storage types of x (f32 or bf16 bits),
-// the SwiGLU activation and the gate|up product, with the rounding points of DESIGN.md.
+// the SwiGLU activation and the gate|up product, with the rounding points of docs/usage.md
+// ("What the layer computes").
 #pragma once
 
 #include <cmath>

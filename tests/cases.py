@@ -322,7 +322,8 @@ def per_block_m(params):
   return out
 
 
-# CUDA-graph capture of the custom calls (DESIGN.md, Testing), and XLA without command buffers.
+# CUDA-graph capture of the custom calls (docs/usage.md, Determinism and CUDA graphs), and XLA
+# without command buffers.
 # Both with XLA's deterministic ops: without them the bits of `loss`, XLA's f32 sum of y * dy,
 # differed between processes whose y (and every gradient) had the same bits
 # (test_same_bits_in_clusters failed so in 1 of 3 runs at f5068e1 and 3 of 4 at 5ffc795; with

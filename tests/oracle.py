@@ -1,4 +1,5 @@
-"""The NumPy float64 oracle of the MoE layer (DESIGN.md, "The operation"), at the top of the tests.
+"""The NumPy float64 oracle of the MoE layer (docs/usage.md, "What the layer computes"), at
+the top of the tests.
 
 A plain loop over experts, no sorting: for each expert e, the routes (t, j) with
 experts[t, j] == e run e's MLP on x[t] and add weights[t, j] times its output to y[t]. An id

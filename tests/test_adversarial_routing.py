@@ -1,4 +1,4 @@
-"""Adversarial routing (DESIGN.md, Testing) on every CPU backend, forward and gradients against
+"""Adversarial routing on every CPU backend, forward and gradients against
 the oracle: hot and empty experts, top_k = 1 and = E, duplicated ids in a row, ids out of
 range (which contribute nothing and are never used as an address), T = 1, T = 0 and T not a
 multiple of any tile."""

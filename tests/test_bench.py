@@ -646,3 +646,30 @@ def test_latest_keeps_newest_record_per_case():
   other = dict(_record("jax.ragged_dot", "peer", 3.0, {}, mode="fwd+bwd"), date="2026-01-01")
   kept = report.latest([old, new, other])
   assert [r["ms"]["median"] for r in kept] == [4.0, 3.0]
+
+
+def test_tiny_expert_parallel(tmp_path):
+  """--ep 2 on a CPU (two host devices): mok_jax's backends time the expert-parallel layer,
+  with the bytes a device sends; a peer without expert parallelism is a row saying so."""
+  out = tmp_path / "bench.jsonl"
+  proc = subprocess.run([sys.executable, "-m", "mok_jax.bench", "--tiny", "--ep", "2",
+                         "--impls", "mok_jax:ffi,jax.ragged_dot", "--out", str(out)], cwd=REPO,
+                        env=_env(), capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  rows = {(r["impl"], r["mode"]): r for r in map(json.loads, out.read_text().splitlines())
+          if r["kind"] == "moe"}
+  T, H, k = (rows["mok_jax:ffi", "fwd"][n] for n in ("T", "H", "k"))
+  for mode in ("fwd", "fwd+bwd"):
+    r = rows["mok_jax:ffi", mode]
+    assert r["status"] == "ok" and r["ep"] == 2 and r["ms"]["median"] > 0, r
+    assert r["ep_bytes"]["fwd"] == T * k * (2 * H * 4 + 8)  # f32 on a CPU, one other device
+    peer = rows["jax.ragged_dot", mode]
+    assert peer["status"] == "unavailable" and "no expert parallelism" in peer["reason"]
+  assert "expert parallelism over 2 devices" in proc.stdout
+
+
+def test_ep_is_checked():
+  with pytest.raises(SystemExit):
+    bench_main.parse_args(["--tiny", "--ep", "0"])
+  with pytest.raises(SystemExit):
+    bench_main.parse_args(["--tiny", "--ep", "2", "--breakdown"])

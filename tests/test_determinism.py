@@ -1,6 +1,6 @@
 """Bitwise determinism: two runs of the forward and the backward give the same bits, in one
-compiled program and across two compilations, on every CPU backend (DESIGN.md: no float
-atomics, fixed summation orders)."""
+compiled program and across two compilations, on every CPU backend (docs/design.md, section
+5: no float atomics, fixed summation orders)."""
 
 import jax
 import jax.numpy as jnp

@@ -17,8 +17,8 @@ from jax.sharding import PartitionSpec as P
 import mok_jax
 import oracle
 from cases import (BF16, CPU_BACKENDS, F32, F32_RTOL, assert_close, assert_ep_bits,
-                   assert_grads_close, assert_same_bits, distinct_experts, loss_and_grads, make_case, mesh_of,
-                   sharded_grad_fn, sharded_loss_and_grads)
+                   assert_grads_close, assert_same_bits, distinct_experts, loss_and_grads,
+                   make_case, mesh_of, sharded_grad_fn, sharded_loss_and_grads)
 
 T, H, I, E, K, IS = 24, 16, 8, 8, 3, 8  # T and E divide by every EP size up to 8
 OUT_OF_RANGE = (-1, E, 2**31 - 1)

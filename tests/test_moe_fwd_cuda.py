@@ -29,8 +29,9 @@ BLOCK_M = 128
 
 
 def numpy_layout(experts, E, block_m=BLOCK_M):
-  """pos, offsets and rows as DESIGN.md defines them: each expert's routes in ascending (t, j)
-  order, each expert's first row a multiple of block_m; invalid ids get pos -1."""
+  """pos, offsets and rows as docs/design.md (section 2) defines them: each expert's routes in
+  ascending (t, j) order, each expert's first row a multiple of block_m; invalid ids get pos
+  -1."""
   experts = np.asarray(experts)
   T, k = experts.shape
   flat = experts.reshape(-1)

@@ -14,7 +14,8 @@ GRAD_RTOL = 1e-5
 
 def np_route(logits, top_k, score="softmax", renormalize=True, n_groups=None,
              topk_groups=None, bias=None):
-  """One token's (experts, weights, scores) in float64, as DESIGN.md states the router."""
+  """One token's (experts, weights, scores) in float64, as docs/usage.md (Routing) states the
+  router."""
   logits = np.asarray(logits, np.float64)
   if score == "softmax":
     scores = np.exp(logits - logits.max()) / np.sum(np.exp(logits - logits.max()))

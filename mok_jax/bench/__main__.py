@@ -1,5 +1,6 @@
 """python -m mok_jax.bench [--shapes qwen3_30b,dsv3] [--shape T,H,I,E,k] [--tiny] [--skew [S]]
-[--shared Is] [--impls ...] [--breakdown] [--out FILE.jsonl]; --help lists every option."""
+[--shared Is] [--impls ...] [--ep N] [--breakdown] [--out FILE.jsonl]; --help lists every
+option."""
 
 from __future__ import annotations
 
@@ -49,6 +50,10 @@ def parse_args(argv):
                  f"{', '.join(ALIASES)}); default: the mok_jax backends of the platform and "
                  "every peer")
   p.add_argument("--modes", default=None, help="fwd, fwd+bwd or both (default)")
+  p.add_argument("--ep", type=int, default=1, metavar="N",
+                 help="expert parallelism over N devices (mok_jax's implementations only): "
+                 "each device holds E / N experts and T tokens (the shape's T is per device), "
+                 "and the table's TF/s are per device; on a CPU N host devices are made")
   p.add_argument("--breakdown", action="store_true",
                  help="instead of comparing implementations: time the CUDA forward as it is, "
                  f"with each of {', '.join(FWD_STAGES[1:])} left out ({SKIP_ENV}=<stage>, read "
@@ -116,6 +121,8 @@ def parse_args(argv):
       p.error(f"--modes: unknown mode {mode!r}; known: {', '.join(MODES)}")
   if args.skew < 0:
     p.error("--skew must be >= 0")
+  if args.ep < 1 or (args.ep > 1 and args.breakdown):
+    p.error("--ep must be >= 1, and 1 with --breakdown")
   if min(args.reps, args.min_reps, args.sets, args.peak_n or 1) < 1 or args.warmup < 0:
     p.error("--reps, --min-reps, --sets and --peak-n must be >= 1, --warmup >= 0")
   if min(args.warmup_s, args.peak_warmup_s) < 0 or args.budget_s <= 0 or args.mode_timeout <= 0:
@@ -161,13 +168,16 @@ def main(argv=None) -> int:
   os.makedirs(os.path.dirname(os.path.abspath(partial)), exist_ok=True)
   if os.path.exists(partial):
     os.remove(partial)
+  if args.ep > 1:  # read when JAX starts its backends, here or in a job's process
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={args.ep}").strip()
   isolate = {"yes": True, "no": False, "auto": not args.tiny}[args.isolate]
   opts = runner.Options(
       shapes=chosen, impls=args.impls, modes=args.modes, dtype=args.dtype, seed=args.seed,
       skew=args.skew, sets=args.sets, warmup=args.warmup, warmup_s=args.warmup_s,
       reps=args.reps, min_reps=args.min_reps, budget_s=args.budget_s, peak_n=args.peak_n,
       peak_warmup_s=args.peak_warmup_s, isolate=isolate, mode_timeout_s=args.mode_timeout,
-      log_dir=args.logs, partial_path=partial, breakdown=args.breakdown)
+      log_dir=args.logs, partial_path=partial, breakdown=args.breakdown, ep=args.ep)
   records = runner.Runner(opts).run()
   derived = report.derive(records)
   report.write_jsonl(derived, args.out)

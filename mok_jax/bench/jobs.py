@@ -12,18 +12,19 @@ job gives it its own peak-memory counter (JAX cannot reset one), lets a crash or
 CUDA context take down only its own modes, and keeps PyTorch off JAX's preallocated pool.
 
 A job is a dict: kind ("peak" | "moe" | "breakdown"), impl, shape (Shape fields), modes, dtype
-("auto" | "bf16" | "f32"), seed, skew, sets, warmup, warmup_s, reps, min_reps, budget_s, peak_n
+("auto" | "bf16" | "f32"), seed, skew, ep, sets, warmup, warmup_s, reps, min_reps, budget_s, peak_n
 (None: by platform), peak_warmup_s; a breakdown's modes are shapes.breakdown_modes (the forward,
 then the forward with stages left out). A record holds mode, status ("ok", "oom",
 "error", "unavailable") and, when ok, ms (median, min, max, p25, p75, mean, n), timing (how the
 samples were taken), compile_s and (but for a breakdown, whose skipping modes compute wrong
 results) the output's checksums; an MoE mode also ms_b2b and timing_b2b, the same call timed
-back to back (records.back_to_back), or b2b_status and b2b_reason when that failed. Whatever fails is
-caught and becomes a record with its reason.
+back to back (records.back_to_back), or b2b_status and b2b_reason when that failed. Whatever
+fails is caught and becomes a record with its reason.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import math
@@ -43,7 +44,7 @@ from mok_jax.bench.shapes import SKIP_ENV, Shape, breakdown_variant
 # (about 1.4 ms in bf16); on a CPU that would take tens of seconds a call.
 PEAK_N_GPU, PEAK_N_CPU = 8192, 1024
 # Defaults of the knobs a job dict written by an older runner may lack.
-JOB_DEFAULTS = {"warmup_s": 0.0, "peak_warmup_s": 0.0}
+JOB_DEFAULTS = {"warmup_s": 0.0, "peak_warmup_s": 0.0, "ep": 1}
 
 
 def _jnp_dtype(name: str):
@@ -66,7 +67,10 @@ def iter_job(job: dict):
   start = time.perf_counter()
   done = []
   try:
-    if job["impl"] == "torch._grouped_mm":
+    if job["impl"] == "torch._grouped_mm" and job["ep"] > 1:
+      source = iter([_record_event(raw, None) for raw in failed(
+          modes, "unavailable", "no expert parallelism in this implementation")])
+    elif job["impl"] == "torch._grouped_mm":
       from mok_jax.bench import torch_peer  # pylint: disable=import-outside-toplevel
 
       source = torch_peer.run(job)
@@ -145,8 +149,9 @@ def _prepare(job: dict, device: dict, dtype: str):
     for raw in failed(modes, status, reason, **common):
       yield _record_event(raw, device)
 
+  ep = job["ep"]
   try:
-    layer, note = peers.jax_layer(job["impl"], shape, _jnp_dtype(dtype))
+    layer, note = peers.jax_layer(job["impl"], shape, _jnp_dtype(dtype), ep)
   except peers.Unavailable as exc:
     yield from fail_all("unavailable", str(exc))
     return None
@@ -155,14 +160,26 @@ def _prepare(job: dict, device: dict, dtype: str):
     return None
   try:
     yield stage(modes[0], "building inputs")
-    params, sets = inputs.jax_inputs(shape, _jnp_dtype(dtype), job["seed"], job["skew"],
-                                     job["sets"])
+    # Under --ep the shape's T is per device: the layer takes ep T tokens in all.
+    params, sets = inputs.jax_inputs(dataclasses.replace(shape, T=shape.T * ep),
+                                     _jnp_dtype(dtype), job["seed"], job["skew"], job["sets"])
   except Exception as exc:  # pylint: disable=broad-except
     yield from fail_all(peers.failure_status(exc),
                         "building inputs: " + peers.describe_exception(exc))
     return None
   common["load"] = inputs.load_stats(sets[0][1], shape.E)
+  if ep > 1:
+    common["ep_bytes"] = ep_bytes(shape, ep, jnp.dtype(_jnp_dtype(dtype)).itemsize)
   return layer, note, params, sets, common
+
+
+def ep_bytes(shape: Shape, ep: int, b: int) -> dict:
+  """Bytes one device sends to the others in a call's all_to_alls under --ep (dropless blocks
+  of C = T k rows to each other device): the forward sends token rows, ids and weights out
+  and route outputs back; the backward dy out, dx and dweights back."""
+  rows = (ep - 1) * shape.T * shape.k
+  fwd = rows * (2 * shape.H * b + 8)
+  return {"fwd": fwd, "fwd+bwd": fwd + rows * (2 * shape.H * b + 4)}
 
 
 def _run_jax_moe(job: dict):

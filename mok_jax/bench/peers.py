@@ -88,9 +88,10 @@ def failure_status(exc: BaseException) -> str:
   return "oom" if is_oom(exc) else "error"
 
 
-def jax_layer(name: str, shape, dtype):
+def jax_layer(name: str, shape, dtype, ep: int = 1):
   """(layer, note) for a JAX implementation, or raises Unavailable. note: None, a text for
-  every mode, or a dict of texts by mode."""
+  every mode, or a dict of texts by mode. ep > 1: mok_jax's layer with expert parallelism over
+  the first ep devices, in shard_map (tokens and experts split over them)."""
   import jax  # pylint: disable=import-outside-toplevel
 
   import mok_jax  # pylint: disable=import-outside-toplevel
@@ -113,8 +114,10 @@ def jax_layer(name: str, shape, dtype):
 
     def layer(x, experts, weights, w_gate, w_up, w_down, shared):
       return mok_jax.moe(x, experts, weights, w_gate, w_up, w_down, shared=shared,
-                         backend=backend)
+                         backend=backend, axis_name="ep" if ep > 1 else None)
 
+    if ep > 1:
+      layer = _expert_parallel(layer, shape, ep)
     note = None
     has_target = getattr(ops, "has_cuda_target", None)
     if (backend != "xla" and platform == "gpu" and has_target is not None
@@ -123,6 +126,8 @@ def jax_layer(name: str, shape, dtype):
                          "backend's VJP (which recomputes the forward)"}
     return layer, note
 
+  if ep > 1:
+    raise Unavailable("no expert parallelism in this implementation")
   if name == "jax.ragged_dot":
     grouped, note = jax.lax.ragged_dot, None
   elif name == "tokamax.ragged_dot":
@@ -137,6 +142,28 @@ def jax_layer(name: str, shape, dtype):
                                       pieces=pieces, axis_name=None, config=Config())
 
   return layer, note
+
+
+def _expert_parallel(layer, shape, ep: int):
+  """layer in shard_map over a mesh ("ep",) of the first ep devices: tokens, routes and experts
+  split over it, the shared expert replicated."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax.sharding import AxisType, PartitionSpec  # pylint: disable=import-outside-toplevel
+
+  if len(jax.devices()) < ep:
+    raise Unavailable(f"--ep {ep} needs {ep} devices, found {len(jax.devices())}")
+  if shape.E % ep:
+    raise Unavailable(f"--ep {ep} does not divide the {shape.E} experts")
+  mesh = jax.make_mesh((ep,), ("ep",), axis_types=(AxisType.Auto,), devices=jax.devices()[:ep])
+  split = PartitionSpec("ep")
+
+  def sharded(x, experts, weights, w_gate, w_up, w_down, shared):
+    f = jax.shard_map(lambda *a: layer(*a[:6], a[6] if a[6:] else None), mesh=mesh,
+                      in_specs=(split,) * 6 + ((PartitionSpec(),) if shared else ()),
+                      out_specs=split)
+    return f(x, experts, weights, w_gate, w_up, w_down, *((shared,) if shared else ()))
+
+  return sharded
 
 
 def _operand_dtype_out(grouped):

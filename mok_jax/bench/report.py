@@ -45,7 +45,8 @@ def write_jsonl(records: list[dict], path: str):
 def case_key(r: dict) -> tuple:
   """Records with the same key timed the same work on the same inputs."""
   return (r.get("shape"), r.get("T"), r.get("H"), r.get("I"), r.get("E"), r.get("k"),
-          r.get("Is"), r.get("dtype"), r.get("skew"), r.get("seed"), r.get("mode"))
+          r.get("Is"), r.get("dtype"), r.get("skew"), r.get("seed"), r.get("mode"),
+          r.get("ep", 1))
 
 
 def latest(records: list[dict]) -> list[dict]:
@@ -207,10 +208,13 @@ def _title(first: dict) -> list[str]:
                     ("jax", "jaxlib", "jax-cuda13-plugin", "tokamax", "torch")
                     if versions.get(name))
   skew = first.get("skew") or 0
+  ep = first.get("ep") or 1
+  parallel = (f", expert parallelism over {ep} devices (T and TF/s per device; ep_bytes in the "
+              "records: what a device sends to the others a call)" if ep > 1 else "")
   return [
       f"MoE layer benchmark (mok_jax.bench) on {first.get('device') or '?'} "
       f"({first.get('platform') or '?'}), {first.get('dtype')}, "
-      f"routing {'Zipf skew ' + str(skew) if skew else 'uniform'}",
+      f"routing {'Zipf skew ' + str(skew) if skew else 'uniform'}{parallel}",
       f"{first.get('date')}  run {first.get('run_id')}  commit {first.get('commit')}  "
       f"{shown}",
   ]

@@ -61,6 +61,7 @@ class Options:
   log_dir: str | None = None
   partial_path: str | None = None
   breakdown: bool = False  # the stage breakdown of the CUDA forward instead (impls, modes unused)
+  ep: int = 1  # expert-parallel devices (the shapes' T per device)
 
 
 def new_run_id() -> str:
@@ -97,7 +98,8 @@ class Runner:
             "modes": modes, "dtype": o.dtype,
             "seed": o.seed, "skew": o.skew, "sets": o.sets, "warmup": o.warmup,
             "warmup_s": o.warmup_s, "reps": o.reps, "min_reps": o.min_reps,
-            "budget_s": o.budget_s, "peak_n": o.peak_n, "peak_warmup_s": o.peak_warmup_s}
+            "budget_s": o.budget_s, "peak_n": o.peak_n, "peak_warmup_s": o.peak_warmup_s,
+            "ep": o.ep}
 
   def _worker_env(self, impl: str) -> dict:
     child = dict(os.environ)
@@ -227,6 +229,7 @@ class Runner:
         "device": device.get("name") or self.device.get("name"),
         "platform": device.get("platform") or self.device.get("platform"),
         "skew": self.opts.skew,
+        "ep": self.opts.ep,
         "seed": self.opts.seed,
         "isolated": self.opts.isolate,
         "mem_scope": mem_scope,
