@@ -13,10 +13,11 @@ fwd,fwd+bwd by default: one of them takes half the time); MOK_AB_BACKEND (defaul
 the backend, e.g. xla for a smoke run on a CPU; MOK_AB_SKEW (default 0, uniform) the Zipf
 exponent of the routing, as the bench's --skew; MOK_AB_DATA=pow2 clears the mantissas of x, dy
 and the expert weights (each value a signed power of two), to see what the operands' values cost
-at the power limit. MOK_AB_RANKS=P measures instead the call of one rank of P expert-parallel
-ranks on the shape's tokens: all of them, the first E / P experts, the ids of the others invalid,
-as mok_jax.moe under shard_map gives each rank; the call is told ranks = MOK_AB_RANKS_HINT
-(default P), the hint for the kernel's launch choices (ffi backends only)."""
+at the power limit. MOK_AB_RANKS=P measures instead the expert call of one rank of P
+expert-parallel ranks whose tokens together are the shape's: the routes to its E / P experts,
+one row each in global (t, j) order among T k rows (the rest empty), as
+mok_jax.expert_parallel hands them to it; the call is told ranks = MOK_AB_RANKS_HINT (default
+P), the hint for the kernel's launch choices (ffi backends only)."""
 
 import collections
 import glob
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import mok_jax
-from mok_jax import functional
+from mok_jax import expert_parallel, functional
 from mok_jax.bench import clocks
 from mok_jax.bench import inputs as bench_inputs
 from mok_jax.bench import report
@@ -188,21 +189,28 @@ def layer_calls(shape_name, backend):
 
 
 def rank_calls(ranks, hint, x, experts, weights, dy, wg, wu, wd):
-  """layer_calls for rank 0 of `ranks` expert-parallel ranks, told `ranks` = hint: its experts
-  are the first E / ranks, every other route an invalid id."""
+  """layer_calls for rank 0 of `ranks` expert-parallel ranks, told `ranks` = hint: the expert
+  call on the rows that the routed layer's dispatch gives it (its experts the first E / ranks),
+  each route a token of one route."""
   local = wg.shape[0] // ranks
-  ids = jnp.where(experts < local, experts, -1).astype(jnp.int32)
+  T, k = experts.shape
+  plan = expert_parallel.plan(experts, local, ranks, T * k)
+  route = plan.route[:T * k]  # block 0: the routes to rank 0, then empty slots
+  rows = x[jnp.maximum(route, 0) // k]
+  ids = jnp.where(route >= 0, experts.reshape(-1)[jnp.maximum(route, 0)], -1)
+  ids = ids.astype(jnp.int32)[:, None]
+  ones = jnp.ones(ids.shape, jnp.float32)
+  dy_rows = dy[jnp.maximum(route, 0) // k]
   config = mok_jax.Config()
 
-  def fwd(x, weights, wg, wu, wd):
-    return functional._moe_ffi(x, ids, weights, wg, wu, wd, None, out_dtype=x.dtype,
-                               config=config, ranks=hint)
+  def fwd(rows, weights, wg, wu, wd):
+    return functional._moe_ffi(rows, ids, weights, wg, wu, wd, None, config=config, ranks=hint)
 
-  def step(x, weights, wg, wu, wd):
-    y, pull = jax.vjp(fwd, x, weights, wg, wu, wd)
-    return y, pull(dy)
+  def step(rows, weights, wg, wu, wd):
+    y, pull = jax.vjp(fwd, rows, weights, wg, wu, wd)
+    return y, pull(dy_rows)
 
-  return jax.jit(fwd), jax.jit(step), (x, weights, wg[:local], wu[:local], wd[:local])
+  return jax.jit(fwd), jax.jit(step), (rows, ones, wg[:local], wu[:local], wd[:local])
 
 
 def mode_call(shape_name, mode):
