@@ -103,7 +103,8 @@ class XlaPieces(NamedTuple):
 
   ragged_dot: object = None  # None: reference.expert_rows' own
 
-  def experts_fwd(self, x_rows, ids, weights):
+  def experts_fwd(self, x_rows, ids, weights, keep=True):
+    del keep
     f = functools.partial(reference.expert_rows, ragged_dot=self.ragged_dot)
     out, vjp = jax.vjp(lambda xr, w: f(xr, ids, *w), x_rows, weights)
     return out.astype(x_rows.dtype), (x_rows, vjp)
@@ -119,7 +120,8 @@ class XlaPieces(NamedTuple):
   def combine(self, rows, slot, weights, extra, out_dtype):
     return reference.combine(rows, slot, weights, extra, out_dtype)
 
-  def shared_fwd(self, x, shared):
+  def shared_fwd(self, x, shared, keep=True):
+    del keep
     out, vjp = jax.vjp(reference.shared_mlp, x, shared)
     return out, vjp
 
@@ -140,12 +142,14 @@ class FfiPieces(NamedTuple):
     out = f(x, *args, **kw)
     return reference.vary(out, reference.varying_axes(x))
 
-  def experts_fwd(self, x_rows, ids, weights):
+  def experts_fwd(self, x_rows, ids, weights, keep=True):
+    # keep=False (not differentiated): the recompute mode, which keeps and writes no gu; y has
+    # the same bits.
     N = x_rows.shape[0]
     ones = jnp.ones((N, 1), jnp.float32)
     rows, res = self._call(ops.moe_fwd, x_rows, ids[:, None], ones, *weights, None,
                            out_dtype=x_rows.dtype, block_m=self.config.block_m,
-                           recompute=self.config.recompute, ranks=self.ranks)
+                           recompute=self.config.recompute or not keep, ranks=self.ranks)
     res = ops.Residuals(*(None if r.size == 0 else r for r in res))
     return rows, (x_rows, ids, weights, res)
 
@@ -170,10 +174,10 @@ class FfiPieces(NamedTuple):
     return (jnp.full((T, 1), -1, jnp.int32), jnp.zeros((T, 1), jnp.float32), *none,
             jnp.zeros((1, Is, H), x.dtype))
 
-  def shared_fwd(self, x, shared):
+  def shared_fwd(self, x, shared, keep=True):
     routes = self._no_routes(x, shared)
     y, res = self._call(ops.moe_fwd, x, *routes, shared, out_dtype=x.dtype,
-                        block_m=self.config.block_m, recompute=self.config.recompute,
+                        block_m=self.config.block_m, recompute=self.config.recompute or not keep,
                         ranks=1)
     res = ops.Residuals(*(None if r.size == 0 else r for r in res))
     return y, (x, shared, res)
@@ -215,22 +219,23 @@ def _routed_vjp(pieces, axis_name, n_ranks):
   """The routed layer's custom VJP for these static parts (cached, so that jit sees one
   function for one layer)."""
 
-  def forward(x, weights, experts_w, shared, p, ids):
+  def forward(x, weights, experts_w, shared, p, ids, keep=True):
     k = p.slot.shape[1]
     send = functools.partial(exchange, axis_name=axis_name, n_ranks=n_ranks)
     x_recv = send(_per_slot(x, p.route, k))
     ids_recv = send(ids)
     w_recv = send(_per_slot(weights.reshape(-1), p.route))
-    rows_out, experts_res = pieces.experts_fwd(x_recv, ids_recv, experts_w)
+    rows_out, experts_res = pieces.experts_fwd(x_recv, ids_recv, experts_w, keep)
     rows_back = send(rows_out)
-    extra, shared_res = (None, None) if shared is None else pieces.shared_fwd(x, shared)
+    extra, shared_res = (None, None) if shared is None else pieces.shared_fwd(x, shared, keep)
     y = pieces.combine(rows_back, p.slot, weights, extra, x.dtype)
     saved = (x, weights, p, w_recv, experts_res, rows_out, rows_back, shared_res)
     return y, saved
 
   @jax.custom_vjp
   def layer(x, weights, experts_w, shared, p, ids):
-    return forward(x, weights, experts_w, shared, p, ids)[0]
+    # The primal, run when nothing is differentiated: no backward reads residuals.
+    return forward(x, weights, experts_w, shared, p, ids, keep=False)[0]
 
   def backward(saved, dy):
     x, weights, p, w_recv, experts_res, rows_out, rows_back, shared_res = saved

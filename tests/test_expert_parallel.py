@@ -227,3 +227,21 @@ def test_ep_bits_under_scan_over_layers(remat):
   (_, want), (_, got) = one(case.x, *params), many(case.x, *params)
   for name, a, b in zip(("x", "weights", "w_gate", "w_up", "w_down"), got, want):
     assert_same_bits(a, b, f"EP={ep} d{name}")
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_ep_inference_has_the_training_bits(backend):
+  """Not differentiated, the layer keeps no residuals (the FFI targets' recompute mode): y has
+  the bits of the differentiated call's."""
+  case = ep_case(IS, BF16, seed=5)
+  mesh = mesh_of(4)
+
+  def layer(x, e, w, g, u, d, shared):
+    return mok_jax.moe(x, e, w, g, u, d, shared=shared, axis_name="ep", backend=backend)
+
+  f = jax.jit(jax.shard_map(layer, mesh=mesh, in_specs=(P("ep"),) * 6 + (P(),),
+                            out_specs=P("ep")))
+  y = f(case.x, jnp.asarray(case.experts), case.weights, case.w_gate, case.w_up, case.w_down,
+        case.shared)
+  want_y, _ = sharded_loss_and_grads(case, backend, mesh, P("ep"), P("ep"), "ep")
+  assert_same_bits(y, want_y, f"{backend} inference y")
