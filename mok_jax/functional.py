@@ -141,6 +141,18 @@ def moe(x, experts, weights, w_gate, w_up, w_down, *, shared=None, axis_name=Non
     if where is not None:
       return placed_moe(x, experts, weights, w_gate, w_up, w_down, shared, where=where,
                         config=config, backend=backend)
+  return _layer(x, experts, weights, w_gate, w_up, w_down, shared, axis_name=axis_name,
+                config=config, backend=backend)
+
+
+def _layer(x, experts, weights, w_gate, w_up, w_down, shared=None, *, axis_name, config,
+           backend):
+  """The layer on this rank's checked inputs (`moe`, or `sharded.sharded_moe` for each shard):
+  the fused single-rank call where the backend has one and no axis is named, else the routed
+  layer of mok_jax.expert_parallel."""
+  config = Config() if config is None else config
+  dims = ops.check_moe_args(x, experts, weights, w_gate, w_up, w_down, shared)
+  n_ranks = 1 if axis_name is None else jax.lax.axis_size(axis_name)
   weights = weights.astype(jnp.float32)
   fused = _fused_impl(backend, x.dtype, dims, config)
   if fused is not None and axis_name is None:
@@ -170,8 +182,9 @@ def _in_explicit_shard_map(layer, *args):
 
 @functools.partial(jax.jit, static_argnames=("where", "config", "backend"))
 def placed_moe(x, experts, weights, w_gate, w_up, w_down, shared, *, where, config, backend):
-  """moe in shard_map over `where` (a sharded.Placement; jitted so that eager calls work too)."""
-  layer = functools.partial(moe, config=config, backend=backend)
+  """The layer in shard_map over `where` (a sharded.Placement; jitted so that eager calls work
+  too)."""
+  layer = functools.partial(_layer, config=config, backend=backend)
   return sharded.sharded_moe(layer, x, experts, weights, w_gate, w_up, w_down, shared, where)
 
 

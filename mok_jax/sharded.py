@@ -4,7 +4,7 @@
 `AxisType.Explicit` axes); the Flax and Equinox layers name it in their options. `sharded_moe`
 then runs the layer in `jax.shard_map`: every token shard computes its own tokens, so data
 parallelism needs no communication in the forward, and with an expert axis the layer's own
-expert parallelism (`moe(..., axis_name=...)`) moves the routed tokens.
+expert parallelism (mok_jax.expert_parallel) moves the routed tokens.
 """
 
 from __future__ import annotations
@@ -131,7 +131,8 @@ def placement(x, experts, weights, w_gate, w_up, w_down, shared) -> Placement | 
 
 
 def sharded_moe(layer, x, experts, weights, w_gate, w_up, w_down, shared, where: Placement):
-  """`layer` (mok_jax.moe with its options bound) in `shard_map` over `where`.
+  """`layer` (the layer on one shard's checked inputs, its options bound, taking `axis_name`)
+  in `shard_map` over `where`.
 
   T need not divide by the number of token shards: the tail is padded with tokens routed to
   id -1 (which contribute nothing) and cut off again. y comes back sharded as x was.
