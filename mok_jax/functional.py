@@ -306,7 +306,7 @@ def _moe_ffi_fwd(out_dtype, config, ranks, x, experts, weights, w_gate, w_up, w_
   # Empty residuals (gu_shared without a shared expert, gu with recompute) are not saved:
   # moe_bwd makes them. Saved, inside shard_map they become inputs of the backward's manual
   # computation that XLA folds to constants, and removing the unused inputs then crashed
-  # Shardy's canonicalizer (jax 0.11.2 on 2 GPUs, 2026-11-30: a segfault compiling the step).
+  # Shardy's canonicalizer (a segfault compiling the step, jax 0.11.2 on 2 GPUs).
   residuals = ops.Residuals(*(None if r.size == 0 else r for r in residuals))
   return y, (x, experts, weights, w_gate, w_up, w_down, shared, residuals)
 

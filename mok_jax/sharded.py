@@ -46,7 +46,7 @@ def _spec(a) -> tuple[tuple[str, ...], ...]:
 def rowwise(f, a):
   """f(a) for an f that works along a's last axis alone (jax.lax.top_k): in shard_map where
   a's leading axes are explicitly split and its last is not, since XLA gathers a to every
-  device for some such ops (top_k on CPU, 2026-12-04); else f(a) as it is."""
+  device for some such ops (top_k on CPU); else f(a) as it is."""
   spec = _spec(a)
   if not any(spec[:-1]) or spec[-1]:
     return f(a)

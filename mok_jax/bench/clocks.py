@@ -1,7 +1,7 @@
 """The GPU's SM clock and power draw while a timing runs, sampled with nvidia-smi.
 
 An H200 held busy reaches its 700 W power limit and lowers its SM clock, from 1980 MHz to
-1290-1620 MHz under mok_jax's back-to-back calls (2026-11-30): the same kernels time differently
+1290-1620 MHz under mok_jax's back-to-back calls: the same kernels time differently
 one synchronised call at a time, back to back, and on another machine of the pool. A record
 that carries the clock of its own timing says which of these it measured.
 """
@@ -69,7 +69,7 @@ POLL_MS = 1.0
 def energy_between(steps: list[tuple[float, int]], t0: float, t1: float) -> float | None:
   """Joules the GPU used from time t0 to t1 (time.monotonic), from the energy counter's steps
   [(time the poller saw it move, mJ)]: NVML's counter moves every 100 ms on an H200 (by the
-  draw of the 100 ms before; tools/ab/energy_ticks.py, 2026-12-04), so the joules between the
+  draw of the 100 ms before), so the joules between the
   first and the last step inside [t0, t1] are exact, and the parts of the block before the
   first and after the last are taken at the draw between those two steps (a timed block is
   busy throughout; the draw of a single step would be wrong by as much as the poller was late

@@ -71,7 +71,7 @@ def tflops(flops: int, ms: float) -> float:
 def joules_a_call(gpu: dict | None, how: dict | None) -> float | None:
   """The GPU's joules a call over one sampled timing: the energy that clocks.sampling read over
   the timed calls (energy_j, from timing's on_timed) over their count (timing's timed_calls), or
-  None where either is missing (no NVML; records before 2026-12-04)."""
+  None where either is missing (no NVML, or a record from a bench that did not read it)."""
   energy, calls = (gpu or {}).get("energy_j"), (how or {}).get("timed_calls")
   return energy / calls if energy is not None and calls else None
 
@@ -248,7 +248,7 @@ def _header(records: list[dict]) -> list[str]:
     lines.append("  after --warmup calls and --warmup-s seconds of warm-up (at most half of "
                  "--budget-s); (n=..): fewer samples than --reps, cut by --budget-s")
   if any(r.get("kind") == "moe" and r.get("ms_b2b") for r in records):
-    # Records of runs before 2026-12-01 10:02 UTC (290a068) do not say: their samples were 50 ms.
+    # A record without timing_b2b's sample_s comes from a bench whose samples were 50 ms.
     sample_ms = sorted({round(1e3 * (r.get("timing_b2b") or {}).get("sample_s", 0.05))
                         for r in records if r.get("kind") == "moe" and r.get("ms_b2b")})
     lines.append("b2b: the same call timed back to back as the dense matmul is (median ms a call "
@@ -256,7 +256,7 @@ def _header(records: list[dict]) -> list[str]:
     lines.append(f"  {' or '.join(map(str, sample_ms))} ms of calls, one sync each), without a "
                  "sync's latency between two calls; b2b MHz: the median SM clock")
     lines.append("  of the timed calls (nvidia-smi every 0.1 s; a GPU at its power limit clocks "
-                 "lower; records before 2026-12-04 18:35 UTC:")
+                 "lower; in records of older benches,")
     lines.append("  warm-up included); b2b J: the GPU's joules a call over them (NVML's energy "
                  "counter; at the power limit a call's")
     lines.append("  time follows it)")
