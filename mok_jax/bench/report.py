@@ -45,8 +45,8 @@ def write_jsonl(records: list[dict], path: str):
 def case_key(r: dict) -> tuple:
   """Records with the same key timed the same work on the same inputs."""
   return (r.get("shape"), r.get("T"), r.get("H"), r.get("I"), r.get("E"), r.get("k"),
-          r.get("Is"), r.get("dtype"), r.get("skew"), r.get("seed"), r.get("mode"),
-          r.get("ep", 1))
+          r.get("Is"), r.get("dtype"), r.get("skew"), r.get("ep", 1), r.get("seed"),
+          r.get("mode"))
 
 
 def latest(records: list[dict]) -> list[dict]:
