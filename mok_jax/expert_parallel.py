@@ -107,15 +107,16 @@ class XlaPieces(NamedTuple):
     del keep
     f = functools.partial(reference.expert_rows, ragged_dot=self.ragged_dot)
     out, vjp = jax.vjp(lambda xr, w: f(xr, ids, *w), x_rows, weights)
-    return out.astype(x_rows.dtype), (x_rows, vjp)
+    rows = out.astype(x_rows.dtype)
+    return rows, (vjp, rows)
 
-  def experts_bwd(self, res, dy_rows, w_rows, rows_out):
-    x_rows, vjp = res
+  def experts_bwd(self, res, dy_rows, w_rows):
+    vjp, rows = res
     dy32 = dy_rows.astype(jnp.float32)
-    dx_rows, dweights = vjp(w_rows[:, None] * dy32)
+    dx_rows, d_experts = vjp(w_rows[:, None] * dy32)
     # d y / d w of a route: <dy, its output as combined>.
-    dw_rows = jnp.sum(dy32 * rows_out.astype(jnp.float32), axis=-1)
-    return dx_rows.astype(x_rows.dtype), dw_rows, dweights
+    dw_rows = jnp.sum(dy32 * rows.astype(jnp.float32), axis=-1)
+    return dx_rows.astype(rows.dtype), dw_rows, d_experts
 
   def combine(self, rows, slot, weights, extra, out_dtype):
     return reference.combine(rows, slot, weights, extra, out_dtype)
@@ -153,8 +154,7 @@ class FfiPieces(NamedTuple):
     res = ops.Residuals(*(None if r.size == 0 else r for r in res))
     return rows, (x_rows, ids, weights, res)
 
-  def experts_bwd(self, res, dy_rows, w_rows, rows_out):
-    del rows_out
+  def experts_bwd(self, res, dy_rows, w_rows):
     x_rows, ids, weights, residuals = res
     g = self._call(ops.moe_bwd, dy_rows, x_rows, ids[:, None], w_rows[:, None], *weights, None,
                    residuals, block_m=self.config.block_m, recompute=self.config.recompute,
@@ -191,7 +191,7 @@ class FfiPieces(NamedTuple):
 
 def routed_moe(x, experts, weights, w_gate, w_up, w_down, shared, *, pieces, axis_name,
                config: Config):
-  """y of `mok_moe`'s contract, routed as the module's docstring says.
+  """y of `mok_jax.moe`'s contract, routed as the module's docstring says.
 
   x (T, H); experts (T, k) global ids (int); weights (T, k) f32; w_gate, w_up (E_local, H, I),
   w_down (E_local, I, H) the experts of this rank; shared None or its three weights; pieces:
@@ -229,8 +229,7 @@ def _routed_vjp(pieces, axis_name, n_ranks):
     rows_back = send(rows_out)
     extra, shared_res = (None, None) if shared is None else pieces.shared_fwd(x, shared, keep)
     y = pieces.combine(rows_back, p.slot, weights, extra, x.dtype)
-    saved = (x, weights, p, w_recv, experts_res, rows_out, rows_back, shared_res)
-    return y, saved
+    return y, (p, w_recv, experts_res, shared_res)
 
   @jax.custom_vjp
   def layer(x, weights, experts_w, shared, p, ids):
@@ -238,17 +237,17 @@ def _routed_vjp(pieces, axis_name, n_ranks):
     return forward(x, weights, experts_w, shared, p, ids, keep=False)[0]
 
   def backward(saved, dy):
-    x, weights, p, w_recv, experts_res, rows_out, rows_back, shared_res = saved
+    p, w_recv, experts_res, shared_res = saved
     k = p.slot.shape[1]
     send = functools.partial(exchange, axis_name=axis_name, n_ranks=n_ranks)
     dy_recv = send(_per_slot(dy, p.route, k))
-    dx_recv, dw_recv, d_experts = pieces.experts_bwd(experts_res, dy_recv, w_recv, rows_out)
+    dx_recv, dw_recv, d_experts = pieces.experts_bwd(experts_res, dy_recv, w_recv)
     dx_back, dw_back = send(dx_recv), send(dw_recv)
     dx_extra, d_shared = (None, None) if shared_res is None else pieces.shared_bwd(shared_res,
                                                                                    dy)
-    dx = pieces.combine(dx_back, p.slot, None, dx_extra, x.dtype)
+    dx = pieces.combine(dx_back, p.slot, None, dx_extra, dy.dtype)  # dy, y and x: one dtype
     dweights = jnp.where(p.slot >= 0, dw_back[jnp.maximum(p.slot, 0)], 0.0)
-    return dx, dweights.astype(weights.dtype), d_experts, d_shared, None, None
+    return dx, dweights.astype(jnp.float32), d_experts, d_shared, None, None
 
   layer.defvjp(forward, backward)
   return layer
