@@ -65,6 +65,9 @@ def parse_args(argv=None):
   g.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                  help="compute dtype; auto: bfloat16 on a GPU, float32 on a CPU")
   g.add_argument("--ep", type=int, default=1, help="expert-parallel devices")
+  g.add_argument("--precision", choices=("bf16", "fp8", "mxfp8"), default="bf16",
+                 help="the expert products' numerics (mok_jax.Config.precision); fp8 and mxfp8 "
+                 "run on the xla backend so far")
   g = p.add_argument_group("output")
   g.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/train_lm"))
   g.add_argument("--ckpt-dir", type=pathlib.Path, default=None, help="default: OUT/ckpt")
@@ -99,6 +102,7 @@ import orbax.checkpoint as ocp  # noqa: E402
 from flax import nnx  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+import mok_jax  # noqa: E402
 from mok_jax.nn.flax import MoE  # noqa: E402
 
 ARCH_FLAGS = ("d_model", "layers", "heads", "experts", "top_k", "expert_size", "shared_size",
@@ -157,7 +161,8 @@ class Block(nnx.Module):
     self.moe = MoE(d, args.expert_size, args.experts, args.top_k, score=args.score,
                    shared_intermediate_size=args.shared_size or None,
                    selection_bias=args.bias_rate > 0, dtype=dtype, backend=args.backend,
-                   mesh=mesh, expert_axis="expert" if mesh is not None else None, rngs=rngs)
+                   config=mok_jax.Config(precision=args.precision), mesh=mesh,
+                   expert_axis="expert" if mesh is not None else None, rngs=rngs)
 
   def __call__(self, x):
     B, S, d = x.shape

@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 
 EP_TRANSPORTS = ("auto", "collective", "nvlink")
+PRECISIONS = ("bf16", "fp8", "mxfp8")
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Knobs of `mok_jax.moe`: block_m and recompute are the FFI backends' (`ffi`, `cuda`; the
-  `xla` backend ignores them), ep_transport and ep_capacity every backend's.
+  `xla` backend ignores them), ep_transport, ep_capacity and precision every backend's.
 
   Attributes:
     block_m: rows of one expert tile. The routed rows of each expert start at a multiple of
@@ -36,12 +37,18 @@ class Config:
       another in one call. Each rank's send and receive buffers hold P * C rows of H (P ranks,
       C = ep_capacity, or T k without it: every route of a rank to one rank). A call that needs
       more fails (an error from the device, naming the rows it needed), never drops a route.
+    precision: the expert products' numerics. "bf16" (the default): operands of x's dtype, f32
+      sums. "fp8": block-scaled e4m3 (mok_jax.quantize: activations in 1 x 128 blocks along
+      the reduction, expert weights in 128 x 128 blocks, f32 sums; the weight gradients stay
+      GEMMs of x's dtype). "mxfp8": 1 x 32 blocks with power-of-two scales. The FP8 precisions
+      run on the `xla` backend so far (`auto` picks it; `ffi` and `cuda` raise).
   """
 
   block_m: int = 64
   recompute: bool = False
   ep_transport: str = "auto"
   ep_capacity: int | None = None
+  precision: str = "bf16"
 
   def __post_init__(self):
     b = self.block_m
@@ -55,3 +62,5 @@ class Config:
     c = self.ep_capacity
     if c is not None and (not isinstance(c, int) or isinstance(c, bool) or c < 1):
       raise ValueError(f"Config.ep_capacity must be None or an integer of at least 1, got {c!r}")
+    if self.precision not in PRECISIONS:
+      raise ValueError(f"Config.precision must be one of {PRECISIONS}, got {self.precision!r}")

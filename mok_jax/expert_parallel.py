@@ -102,10 +102,12 @@ class XlaPieces(NamedTuple):
   """The routed layer's parts on the XLA backend (reference.py)."""
 
   ragged_dot: object = None  # None: reference.expert_rows' own
+  precision: str = "bf16"  # Config.precision
 
   def experts_fwd(self, x_rows, ids, weights, keep=True):
     del keep
-    f = functools.partial(reference.expert_rows, ragged_dot=self.ragged_dot)
+    f = functools.partial(reference.expert_rows, ragged_dot=self.ragged_dot,
+                          precision=self.precision)
     out, vjp = jax.vjp(lambda xr, w: f(xr, ids, *w), x_rows, weights)
     rows = out.astype(x_rows.dtype)
     return rows, (vjp, rows)
@@ -123,7 +125,8 @@ class XlaPieces(NamedTuple):
 
   def shared_fwd(self, x, shared, keep=True):
     del keep
-    out, vjp = jax.vjp(reference.shared_mlp, x, shared)
+    out, vjp = jax.vjp(functools.partial(reference.shared_mlp, precision=self.precision), x,
+                       shared)
     return out, vjp
 
   def shared_bwd(self, vjp, dy):

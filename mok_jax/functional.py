@@ -157,7 +157,7 @@ def _layer(x, experts, weights, w_gate, w_up, w_down, shared=None, *, axis_name,
   fused = _fused_impl(backend, x.dtype, dims, config)
   if fused is not None and axis_name is None:
     return fused(x, _local_ids(experts, dims.E), weights, w_gate, w_up, w_down, shared)
-  pieces = (expert_parallel.XlaPieces() if fused is None else
+  pieces = (expert_parallel.XlaPieces(precision=config.precision) if fused is None else
             expert_parallel.FfiPieces(config, int(n_ranks)))
   layer = functools.partial(expert_parallel.routed_moe, pieces=pieces, axis_name=axis_name,
                             config=config)
@@ -226,6 +226,11 @@ def _fused_impl(backend, dtype, dims, config):
     raise ValueError(f"moe: backend must be one of {BACKENDS}, got {backend!r}")
   if backend == "xla":
     return None
+  if config.precision != "bf16":
+    if backend == "auto":
+      return None
+    raise ValueError(f"moe: Config(precision={config.precision!r}) runs on backend='xla' so "
+                     f"far (or 'auto', which picks it); backend={backend!r} has bf16 and f32 only")
   platform = jax.default_backend()
   cuda_problem = ops.cuda_unsupported_reason(platform, dtype, dims, config)
   if backend == "auto":

@@ -20,6 +20,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from mok_jax import quantize
+
 
 def _precision(dtype):
   """HIGHEST for f32, so that f32 inputs do not silently drop to TF32 on GPUs; the default for
@@ -37,14 +39,61 @@ def swiglu(g, u, dtype):
   return (silu(g) * u).astype(dtype)
 
 
-def shared_mlp(x, shared):
+def shared_mlp(x, shared, precision="bf16"):
   """The shared expert's output, rounded to x's dtype and returned in f32:
-  (silu(x @ ws_gate) * (x @ ws_up)) @ ws_down."""
+  (silu(x @ ws_gate) * (x @ ws_up)) @ ws_down; its products block-quantized by `precision`'s
+  recipe unless it is "bf16" (`quantized_dot`)."""
   ws_gate, ws_up, ws_down = shared
-  dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32,
-                          precision=_precision(x.dtype))
-  y = dot(swiglu(dot(x, ws_gate), dot(x, ws_up), x.dtype), ws_down)
+  if precision == "bf16":
+    dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32,
+                            precision=_precision(x.dtype))
+    y = dot(swiglu(dot(x, ws_gate), dot(x, ws_up), x.dtype), ws_down)
+  else:
+    dot = quantized_dot(functools.partial(jnp.dot, preferred_element_type=jnp.float32,
+                                          precision=jax.lax.Precision.HIGHEST), precision)
+    y = dot(silu(dot(x, ws_gate)) * dot(x, ws_up), ws_down)
   return y.astype(x.dtype).astype(jnp.float32)
+
+
+def quantized_dot(dot, recipe):
+  """dot(a (M, K), w (..., K, N), *extra) -> (M, N) f32 (jnp.dot, or a ragged_dot whose group
+  sizes are `extra`: arrays, not closed over, so that the custom VJP sees them) on
+  block-quantized operands (mok_jax.quantize, `recipe`), as the FP8 kernels compute:
+
+    forward      a in 1 x block along K, w in its weight blocks; f32 products and sums
+    d a          the cotangent in 1 x block along N (its reduction there) times w^T in blocks
+    d w          a^T times the cotangent, both in w's dtype, unquantized (a bf16 GEMM)
+
+  The dequantized values are exact in f32, so HIGHEST-precision f32 products of them are the
+  kernels' e4m3 products, summed in f32."""
+  blk = quantize.act_block(recipe)
+
+  def vary_and_dot(a, w, *extra):
+    # Under shard_map both operands vary like their union first, so that each gradient varies
+    # like its operand (as in nan_local).
+    a, w = vary((a, w), varying_axes(a) | varying_axes(w))
+    return f(a, w, *extra)
+
+  @jax.custom_vjp
+  def f(a, w, *extra):
+    return forward(a, w, *extra)[0]
+
+  def forward(a, w, *extra):
+    aq = quantize.fake_quantize(a, (1, blk), recipe)
+    wq = quantize.fake_quantize(w, quantize.weight_block(recipe, -2), recipe)
+    return dot(aq, wq, *extra), (a, w, extra)
+
+  def backward(res, g):
+    a, w, extra = res
+    gq = quantize.fake_quantize(g, (1, blk), recipe)
+    wq = quantize.fake_quantize(w, quantize.weight_block(recipe, -1), recipe)
+    _, data_t = jax.vjp(lambda a_: dot(a_, wq, *extra), a.astype(jnp.float32))  # linear in a_
+    _, weight_t = jax.vjp(lambda w_: dot(a.astype(w.dtype), w_, *extra), w)
+    (da,), (dw,) = data_t(gq), weight_t(g.astype(w.dtype).astype(jnp.float32))
+    return (da.astype(a.dtype), dw.astype(w.dtype), *(None,) * len(extra))
+
+  f.defvjp(forward, backward)
+  return vary_and_dot
 
 
 def varying_axes(a) -> frozenset:
@@ -141,13 +190,15 @@ def nan_local(ragged_dot):
   return dot
 
 
-def expert_rows(x_rows, ids, w_gate, w_up, w_down, *, ragged_dot=None):
+def expert_rows(x_rows, ids, w_gate, w_up, w_down, *, ragged_dot=None, precision="bf16"):
   """Each row through its expert: (N, H) f32, expert ids[r]'s MLP of x_rows[r] before its
   rounding to x's dtype; 0 for a row whose id is outside [0, E).
 
   The rows are sorted by expert (a stable sort: within an expert they keep their order) and
   multiplied by jax.lax.ragged_dot, or `ragged_dot` with its signature (the benchmark's peers);
-  None: `nan_local` of jax.lax.ragged_dot.
+  None: `nan_local` of jax.lax.ragged_dot. precision "fp8" or "mxfp8": each product on
+  block-quantized operands (`quantized_dot`), h = silu(g) u quantized from f32 as the FP8
+  kernels' epilogue does; "bf16": as written above, h rounded to x's dtype.
   """
   if ragged_dot is None:
     ragged_dot = nan_local(jax.lax.ragged_dot)
@@ -159,9 +210,21 @@ def expert_rows(x_rows, ids, w_gate, w_up, w_down, *, ragged_dot=None):
   order = jnp.argsort(group, stable=True)
   group_sizes = jnp.bincount(group, length=E + 1)[:E].astype(jnp.int32)
   xs = x_rows[order]
-  dot = functools.partial(ragged_dot, group_sizes=group_sizes,
-                          preferred_element_type=jnp.float32, precision=_precision(x_rows.dtype))
-  out = dot(swiglu(dot(xs, w_gate), dot(xs, w_up), x_rows.dtype), w_down)
+  if precision == "bf16":
+    dot = functools.partial(ragged_dot, group_sizes=group_sizes,
+                            preferred_element_type=jnp.float32,
+                            precision=_precision(x_rows.dtype))
+    out = dot(swiglu(dot(xs, w_gate), dot(xs, w_up), x_rows.dtype), w_down)
+  else:
+    grouped = quantized_dot(
+        lambda a, w, sizes: ragged_dot(a, w, group_sizes=sizes,
+                                       preferred_element_type=jnp.float32,
+                                       precision=jax.lax.Precision.HIGHEST), precision)
+
+    def dot(a, w):
+      return grouped(a, w, group_sizes)
+
+    out = dot(silu(dot(xs, w_gate)) * dot(xs, w_up), w_down)
   inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
   return jnp.where(valid[:, None], out[inverse], 0.0)
 

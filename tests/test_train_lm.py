@@ -63,3 +63,13 @@ def test_train_lm_scans_its_layers(tmp_path):
   counts = np.asarray(history["load"][-1][1])
   assert counts.shape == (2, 4) and (counts.sum(-1) == 8 * 32 * 2).all()  # B S k a layer
   assert summary["final_held_out_loss"] < 5.0
+
+
+def test_train_lm_in_fp8(tmp_path):
+  """--precision fp8: the experts' products block-quantized (the xla backend); it trains."""
+  summary = load_example().main([*TINY, "--precision", "fp8", "--steps", "12",
+                                 "--out", str(tmp_path)])
+  history = json.loads((tmp_path / "history.json").read_text())
+  train = [loss for _, loss in history["train"]]
+  assert train[0] > 5.0 and max(train[-3:]) < train[0] - 1.0, train
+  assert summary["final_held_out_loss"] < 5.0
