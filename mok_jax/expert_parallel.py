@@ -154,8 +154,7 @@ class FfiPieces(NamedTuple):
     rows, res = self._call(ops.moe_fwd, x_rows, ids[:, None], ones, *weights, None,
                            out_dtype=x_rows.dtype, block_m=self.config.block_m,
                            recompute=self.config.recompute or not keep, ranks=self.ranks)
-    res = ops.Residuals(*(None if r.size == 0 else r for r in res))
-    return rows, (x_rows, ids, weights, res)
+    return rows, (x_rows, ids, weights, res.saved())
 
   def experts_bwd(self, res, dy_rows, w_rows):
     x_rows, ids, weights, residuals = res
@@ -182,8 +181,7 @@ class FfiPieces(NamedTuple):
     y, res = self._call(ops.moe_fwd, x, *routes, shared, out_dtype=x.dtype,
                         block_m=self.config.block_m, recompute=self.config.recompute or not keep,
                         ranks=1)
-    res = ops.Residuals(*(None if r.size == 0 else r for r in res))
-    return y, (x, shared, res)
+    return y, (x, shared, res.saved())
 
   def shared_bwd(self, saved, dy):
     x, shared, res = saved

@@ -308,12 +308,7 @@ def _moe_ffi_call(out_dtype, block_m, recompute, ranks, x, experts, weights, w_g
 def _moe_ffi_fwd(out_dtype, config, ranks, x, experts, weights, w_gate, w_up, w_down, shared):
   y, residuals = _moe_ffi_call(out_dtype, config.block_m, config.recompute, ranks, x, experts,
                                weights, w_gate, w_up, w_down, shared)
-  # Empty residuals (gu_shared without a shared expert, gu with recompute) are not saved:
-  # moe_bwd makes them. Saved, inside shard_map they become inputs of the backward's manual
-  # computation that XLA folds to constants, and removing the unused inputs then crashed
-  # Shardy's canonicalizer (a segfault compiling the step, jax 0.11.2 on 2 GPUs).
-  residuals = ops.Residuals(*(None if r.size == 0 else r for r in residuals))
-  return y, (x, experts, weights, w_gate, w_up, w_down, shared, residuals)
+  return y, (x, experts, weights, w_gate, w_up, w_down, shared, residuals.saved())
 
 
 def _moe_ffi_bwd(out_dtype, config, ranks, saved, dy):

@@ -68,6 +68,14 @@ class Residuals(NamedTuple):
   gu_shared: jax.Array  # (T, 2Is) x.dtype: pre-activation of the shared expert
   xs: jax.Array  # (R, H) x.dtype: token row of each routed row, zeros for padding
 
+  def saved(self) -> "Residuals":
+    """What a custom VJP saves of these: each empty residual (gu_shared without a shared
+    expert, gu and xs with recompute) as None, which moe_bwd makes again. Saved, inside
+    shard_map an empty one becomes an input of the backward's manual computation that XLA folds
+    to a constant, and removing that unused input crashed Shardy's canonicalizer (a segfault
+    compiling the step, jax 0.11.2 on 2 GPUs)."""
+    return Residuals(*(None if r.size == 0 else r for r in self))
+
 
 class Grads(NamedTuple):
   x: jax.Array
