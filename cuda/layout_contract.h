@@ -26,9 +26,9 @@ constexpr int64_t TileQueueInts(int64_t T, int64_t k, int64_t experts) {
   return kQueueHeaderInts + RoutedRowTilesBound(T * k, experts) + (T + 127) / 128;
 }
 
-// The routed rows that the launch choices (clusters, tails, runs) expect when the T k routes
-// are spread over `ranks` expert-parallel ranks (each sees all tokens; the routes to other
-// ranks' experts are invalid ids): the routes of this rank, about routes / ranks, and the
+// The routed rows that the launch choices (clusters, tails, runs) expect when about one in
+// `ranks` of the `routes` rows holds a route (expert parallelism: an owner's receive buffer has
+// room for every rank's worst case, and its empty slots are invalid ids): those routes and the
 // padding bound of the R rows that hold all of them (R = routes + the padding).
 constexpr int64_t ExpectedRoutedRows(int64_t routes, int64_t R, int64_t ranks) {
   return R - routes + (routes + ranks - 1) / ranks;

@@ -341,7 +341,7 @@ def digest(a) -> str:
   return hashlib.sha256(repr((a.dtype.str, a.shape)).encode() + a.tobytes()).hexdigest()
 
 
-def cuda_digests(routing: str = "") -> dict:
+def cuda_digests() -> dict:
   """sha256 of every output of the CUDA backend on one case (a shared expert, tails of every
   tile), for each block_m: {str(block_m): {"fwd": [{"y"}] * REPLAYS, "grad": [{"loss", "y",
   "x", "weights", ...}] * REPLAYS}}, "fwd" from a jitted forward and "grad" from a jitted
@@ -349,16 +349,8 @@ def cuda_digests(routing: str = "") -> dict:
 
   About 128 routed rows an expert, so that experts end on odd and even row tiles alike at
   either block_m; gate|up 640 columns (three column tiles, the last narrow) and down 384 (two,
-  the second narrow): in clusters of two, column pairs with and without a second tile.
-  routing "tails": the same layer routed by tail_routing() instead; one of CUDA_ROUTINGS: by
-  cuda_routing()."""
-  if routing == "tails":
-    ids = tail_routing()
-    case = make_case(len(ids), 384, 320, 96, ids.shape[1], Is=128, dtype=BF16, seed=7,
-                     experts=ids)
-  else:
-    case = make_case(2048, 384, 320, 96, 6, Is=128, dtype=BF16, seed=7,
-                     experts=cuda_routing(routing, 2048, 96, 6) if routing else None)
+  the second narrow): in clusters of two, column pairs with and without a second tile."""
+  case = make_case(2048, 384, 320, 96, 6, Is=128, dtype=BF16, seed=7)
   out = {}
   for block_m in ops.CUDA_BLOCK_MS:
     config = mok_jax.Config(block_m=block_m)
@@ -376,26 +368,16 @@ def cuda_digests(routing: str = "") -> dict:
 
 
 @functools.cache
-def cuda_digests_with(xla_flags: str, clusters: str = "", tails: str = "",
-                      routing: str = "", runs: str = "") -> dict:
-  """cuda_digests(routing) in a fresh process with XLA_FLAGS=xla_flags (XLA reads them once,
-  when JAX starts its backends) and, if given, MOK_GEMM_CLUSTER=clusters ("1": one CTA a tile,
-  "2": clusters of two in every row-grouped launch), MOK_GEMM_TAILS=tails (the most row
-  tiles an expert's tail rides in) and MOK_WGRAD_RUN=runs (the weight-gradient tiles a CTA
-  takes at once), each read once per process; one process per arguments for the forward and
-  the backward tests."""
+def cuda_digests_with(xla_flags: str) -> dict:
+  """cuda_digests() in a fresh process with XLA_FLAGS=xla_flags (XLA reads them once,
+  when JAX starts its backends); one process per flags for the forward and the backward
+  tests."""
   env = dict(os.environ, XLA_FLAGS=xla_flags)
-  for name, value in (("MOK_GEMM_CLUSTER", clusters), ("MOK_GEMM_TAILS", tails),
-                      ("MOK_WGRAD_RUN", runs)):
-    env.pop(name, None)
-    if value:
-      env[name] = value
   here = os.path.dirname(os.path.abspath(__file__))  # for `import cases`
-  code = f"import json, cases; print(json.dumps(cases.cuda_digests({routing!r})))"
+  code = "import json, cases; print(json.dumps(cases.cuda_digests()))"
   done = subprocess.run([sys.executable, "-c", code], env=env, cwd=here, capture_output=True,
                         text=True, timeout=600)
-  assert done.returncode == 0, (f"XLA_FLAGS={xla_flags} {clusters} {tails} {routing} {runs}: "
-                                f"{done.stderr[-4000:]}")
+  assert done.returncode == 0, f"XLA_FLAGS={xla_flags}: {done.stderr[-4000:]}"
   return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -113,49 +113,6 @@ def test_gradients_with_spread_tails(block_m):
   assert not differ, f"recompute: different bits in {differ}"
 
 
-def assert_same_digests(runs, base, knobs):
-  """Every call of each of `runs` (cuda_digests_with's for one block_m, keyed by the knobs'
-  values) has the bits of base's first: y, the loss and every gradient."""
-  assert set(base["grad"][0]) == {"loss", "y", *GRAD_NAMES}, base["grad"][0].keys()
-  for key, run in runs.items():
-    assert run["fwd"] == [base["fwd"][0]] * REPLAYS, (knobs, key)
-    for i, replay in enumerate(run["grad"]):
-      differ = sorted(name for name in base["grad"][0] if replay[name] != base["grad"][0][name])
-      assert not differ, f"{knobs} = {key!r}, call {i}: different bits in {differ}"
-
-
-@pytest.mark.parametrize("block_m", ops.CUDA_BLOCK_MS)
-def test_same_bits_however_tails_ride(block_m):
-  """y and every gradient have the same bits whether an expert's last rows ride in its full row
-  tiles, 16 a tile (MOK_GEMM_TAILS unset: up to 8 of them; 1: only tails of at most 16 rows) or
-  are row tiles of their own (0), one CTA a tile or in clusters of two."""
-  runs = {(tails, clusters): cuda_digests_with(NO_COMMAND_BUFFER_FLAGS, clusters, tails,
-                                               "tails")[str(block_m)]
-          for tails, clusters in (("", "1"), ("1", "1"), ("0", "1"), ("", "2"))}
-  assert_same_digests(runs, runs[("", "1")], "MOK_GEMM_TAILS, MOK_GEMM_CLUSTER")
-
-
-@pytest.mark.parametrize("block_m", ops.CUDA_BLOCK_MS)
-def test_same_bits_however_weight_gradient_tiles_run(block_m):
-  """The weight gradients have the same bits whether a CTA takes their tiles one at a time
-  (MOK_WGRAD_RUN=1) or in runs of 3 or 8 (unset: 8 on this case's 128 routes an expert), whose
-  tiles of one column tile load B's k-tiles once; y and the other gradients too."""
-  runs = {r: cuda_digests_with(NO_COMMAND_BUFFER_FLAGS, runs=r)[str(block_m)]
-          for r in ("1", "3", "")}
-  assert_same_digests(runs, runs["1"], "MOK_WGRAD_RUN")
-
-
-@pytest.mark.parametrize("routing", ("one_expert", "empty_experts"))
-def test_runs_take_any_routing(routing):
-  """Runs forced (MOK_WGRAD_RUN=8) where reductions outgrow the stages (every route in one
-  expert, or in three) and most experts are empty: the bits of tiles one at a time (1)."""
-  runs = {r: cuda_digests_with(NO_COMMAND_BUFFER_FLAGS, routing=routing, runs=r)
-          for r in ("1", "8")}
-  for block_m in ops.CUDA_BLOCK_MS:
-    assert_same_digests({r: d[str(block_m)] for r, d in runs.items()}, runs["1"][str(block_m)],
-                        f"MOK_WGRAD_RUN, {routing}, block_m {block_m}")
-
-
 @pytest.mark.parametrize("block_m", ops.CUDA_BLOCK_MS)
 def test_bitwise_deterministic(block_m):
   case = make_case(4096, 512, 256, 64, 8, Is=128, dtype=BF16, seed=5)
@@ -200,33 +157,56 @@ def test_same_bits_with_command_buffers(block_m):
     assert not differ, f"call {i} with command buffers: different bits in {differ}"
 
 
-@pytest.mark.parametrize("block_m", ops.CUDA_BLOCK_MS)
-def test_same_bits_in_clusters(block_m):
-  """The row-grouped launches in clusters of two CTAs (B and A shared by multicast, absent
-  tiles walking their peer's k-steps) give y and every gradient the bits of one CTA a tile."""
-  runs = {c: cuda_digests_with(NO_COMMAND_BUFFER_FLAGS, c)[str(block_m)] for c in ("1", "2")}
-  assert_same_digests(runs, runs["1"], "MOK_GEMM_CLUSTER")
+# The launch choices of cuda/sm90/heuristics.cuh as Python sees them, for E experts, `expected`
+# rows (ExpectedRoutedRows) and `routes` routes expected on this GPU: (clusters of two with
+# tails over full row tiles, runs of weight-gradient tiles).
+def launch_choices(expected, routes, E):
+  return expected <= 512 * E, routes <= 160 * E
 
 
+# Routings that take every launch choice both ways between ranks = 1 and 64: uniform, tails of
+# 1-127 rows in every position, all routes in one expert (reductions far past the weight
+# gradients' stages in runs), most experts empty.
+LAUNCH_ROUTINGS = ("uniform", "tails", "one_expert", "empty_experts")
 
-def test_same_bits_whatever_ranks_hint():
-  """`ranks` (expert parallelism's hint) moves the launch choices, never the bits: with 512
-  routes an expert seen as 64 (ranks = 8) the routed launches go to clusters of two and tails
-  over full row tiles, and the weight gradients to runs, where ranks = 1 takes none of them."""
-  case = make_case(4096, 512, 384, 64, 8, Is=128, dtype=BF16, seed=13)
+
+@functools.lru_cache(maxsize=1)
+def launch_case(routing):
+  if routing == "uniform":
+    return make_case(4096, 512, 384, 64, 8, Is=128, dtype=BF16, seed=13)
+  if routing == "tails":
+    ids = tail_routing()
+    return make_case(len(ids), 384, 320, int(ids.max()) + 1, ids.shape[1], Is=128, dtype=BF16,
+                     seed=7, experts=ids)
+  return make_case(2048, 384, 320, 16, 4, Is=128, dtype=BF16, seed=9,
+                   experts=cuda_routing(routing, 2048, 16, 4, seed=9))
+
+
+@pytest.mark.parametrize("routing,block_m", per_block_m(LAUNCH_ROUTINGS))
+def test_same_bits_whatever_the_launch_choices(routing, block_m):
+  """`ranks` (expert parallelism's hint: the share of the rows that hold routes) moves every
+  launch choice and never a bit: ranks = 1 runs these cases one CTA a tile, with tails of at
+  most 16 rows and the weight-gradient tiles one at a time; ranks = 64 in clusters of two, with
+  tails over up to eight full row tiles and runs of eight weight-gradient tiles."""
+  case = launch_case(routing)
+  (T, k), E = case.experts.shape, case.w_gate.shape[0]
+  routes, R = T * k, ops.routed_rows(T * k, E, block_m)
+  choices = [launch_choices(R - routes + -(-routes // r), -(-routes // r), E) for r in (1, 64)]
+  assert choices == [(False, False), (True, True)], choices  # the case takes both sides
   args = (case.x, jnp.asarray(case.experts), case.weights, case.w_gate, case.w_up, case.w_down)
 
   @functools.partial(jax.jit, static_argnums=0)
   def layer(ranks, dy, *a):
-    y, res = ops.moe_fwd(*a, case.shared, out_dtype=BF16, block_m=128, ranks=ranks)
-    return y, ops.moe_bwd(dy, *a, case.shared, res, block_m=128, ranks=ranks)
+    y, res = ops.moe_fwd(*a, case.shared, out_dtype=BF16, block_m=block_m, ranks=ranks)
+    return y, ops.moe_bwd(dy, *a, case.shared, res, block_m=block_m, ranks=ranks)
 
-  want = jax.tree.leaves(layer(1, case.dy.astype(BF16), *args))
-  for ranks in (2, 8):
-    got = jax.tree.leaves(layer(ranks, case.dy.astype(BF16), *args))
-    assert len(got) == len(want) == 9  # y; dx, dweights, dw_gate, dw_up, dw_down, the shared 3
-    differ = [i for i, (g, w) in enumerate(zip(got, want)) if bits(g) != bits(w)]
-    assert not differ, f"ranks = {ranks}: different bits in outputs {differ}"
+  dy = case.dy.astype(BF16)
+  want = jax.tree.leaves(layer(1, dy, *args))
+  got = jax.tree.leaves(layer(64, dy, *args))
+  assert len(got) == len(want) == 9  # y; dx, dweights, dw_gate, dw_up, dw_down, the shared 3
+  differ = [i for i, (g, w) in enumerate(zip(got, want)) if bits(g) != bits(w)]
+  assert not differ, f"{routing}, block_m {block_m}: different bits in outputs {differ}"
+
 
 def test_f32_partial_output_under_shard_map():
   """Expert parallelism over a 1-GPU axis: the kernel returns an f32 partial y and gets f32 dy."""

@@ -29,12 +29,12 @@ struct ExpertMlp {
 // The MLPs (at most two: the routed experts, the shared expert, which has no offsets) in one
 // persistent launch that hands out tiles from *counter (zeroed): every gate|up tile, then every
 // down tile, each down tile once its rows' h is complete (counts per row tile in `ready`,
-// zeroed, at each MLP's ready_base). gate_up / down false leave that GEMM out (the backward's
-// recompute runs gate|up alone; MOK_FWD_SKIP).
+// zeroed, at each MLP's ready_base). down false: gate|up alone (the backward's
+// recompute).
 //
 // Defined in expert_mlp.cu alone: nvcc gives every translation unit that instantiates a kernel
 // template its own copy.
-const char* LaunchExpertMlps(const ExpertMlp* mlps, int count, bool gate_up, bool down,
+const char* LaunchExpertMlps(const ExpertMlp* mlps, int count, bool down,
                              int32_t* counter, int32_t* ready, cudaStream_t stream);
 
 }  // namespace mok::sm90

@@ -3,11 +3,11 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <map>
 #include <mutex>
 
 #include "gemm_kernel.cuh"
+#include "heuristics.cuh"
 #include "shared_memory.h"
 #include "tensor_map.h"
 
@@ -31,73 +31,6 @@ inline const char* Check(cudaError_t e) {
 inline bool Describe(CUtensorMap* map, const Matrix& m, bool k_major, int box_rows, int block_k) {
   if (k_major) return MakeTensorMap(map, m.base, m.inner, m.rows, GemmConfig::kBoxInner, box_rows);
   return MakePanelMap(map, m.base, m.inner, m.rows, block_k, box_rows / GemmConfig::kBoxInner);
-}
-
-// A diagnostic override of a launch choice: the integer in environment variable `name` when it
-// is one and lies in [lo, hi], else -1 (none; a value outside the range is ignored rather than
-// clamped, so that no setting means something other than what it says). Each caller reads its
-// variable once per process (a function-local static).
-inline int EnvOverride(const char* name, int lo, int hi) {
-  const char* env = std::getenv(name);
-  if (!env || !*env) return -1;
-  char* end = nullptr;
-  const long v = std::strtol(env, &end, 10);
-  return *end == '\0' && v >= lo && v <= hi ? static_cast<int>(v) : -1;
-}
-
-// Row tiles per band of the tile order. Eight row tiles and the column panels the rest of a
-// wave of 132 CTAs spans keep the bytes a wave reads from HBM near the smallest for all four
-// bench shapes. MOK_GEMM_RASTER_ROWS overrides (a diagnostic; 1 = column tiles fastest).
-inline int RasterRows() {
-  static const int forced = EnvOverride("MOK_GEMM_RASTER_ROWS", 1, 1 << 20);
-  return forced > 0 ? forced : 8;
-}
-
-// Whether the groups of a row-grouped GEMM average at most kClusterRows rows (routed rows with
-// their padding bound, R / E). Few row tiles a group: its weights stream into one or two row
-// tiles, what a launch's SMs take in of B bounds it, and clusters of two CTAs (UseClusters)
-// pay: a pair that shares B reads it from L2 once (a group's odd row tile goes as two column
-// tiles side by side, which share its rows of A). Many: a band of eight row tiles already
-// shares B through L2, and the pairs' lockstep costs more than the bytes save.
-//
-// On an H200, clusters take about 6% off dsv3's forward-MLP launch (R / E 255) and about 1% off
-// gptoss_120b's (383), and add about 1% to qwen3_30b's (1151) (docs/performance.md).
-constexpr int64_t kClusterRows = 512;
-
-inline bool FewRowsPerGroup(const GemmParams& p) {
-  return p.m_expected <= kClusterRows * p.groups;
-}
-
-// The most row tiles of a group that take kTailRows of its tail each (TailCount). Groups with
-// few rows (FewRowsPerGroup) spread any tail over as many full row tiles as it needs, which
-// saves a row tile that streams all of B; the others take only tails of at most kTailRows,
-// in their last full row tile. MOK_GEMM_TAILS overrides (a diagnostic; 0 = no tails).
-//
-// On an H200, up to eight tails a group instead of one would add about 8% to mixtral's
-// forward-MLP launch (docs/performance.md).
-inline int MaxTails(const GemmParams& p) {
-  static const int forced = EnvOverride("MOK_GEMM_TAILS", 0, 1 << 20);
-  if (forced >= 0) return forced;
-  return FewRowsPerGroup(p) ? GemmConfig::kBlockM / kTailRows : 1;
-}
-
-// The tiles a CTA takes at once from the weight gradients' queue (ChainParams::run_tiles):
-// runs of kRunTiles where experts average at most kRunRoutes routes (`routes`: those expected on
-// this GPU, ExpectedRoutedRows), so that most of their
-// reductions fit in the stages (6 x 32 rows) and a run's tiles, which share a column tile of
-// one expert (a band of the tile order, RasterRows), load B's k-tiles once; else tiles one at a
-// time. MOK_WGRAD_RUN overrides (a diagnostic; 1 = tiles).
-//
-// On an H200 the runs take about 6% off dsv3's weight-gradient launch (docs/performance.md).
-// They are a kernel of their own (BwdWeightRuns): the runs' ring and 56/224 register split would
-// make the launches without runs 3-5% slower, and in the 40/232 split the runs' producer spills.
-constexpr int kRunTiles = 8;
-constexpr int64_t kRunRoutes = 160;
-
-inline int WeightGradRunTiles(int64_t routes, int64_t experts) {
-  static const int forced = EnvOverride("MOK_WGRAD_RUN", 1, 1 << 20);
-  if (forced > 0) return forced;
-  return routes <= kRunRoutes * experts ? kRunTiles : 1;
 }
 
 // The fields that place a GEMM's rows: the groups of `offsets` (null: one group of m rows), of
@@ -167,7 +100,7 @@ const char* PrepareGemm(GemmParams& p, const Matrix& a, const Matrix& b0, const 
   if (p.offsets && p.groups > C::kMaxGroups) return "too many groups for one grouped GEMM";
   if (p.offsets && p.block_m != 64 && p.block_m != C::kBlockM) return "block_m must be 64 or 128";
   p.tiles = LinearTiles<Kind::kSched>(p);
-  p.raster_rows = RasterRows();
+  p.raster_rows = kRasterRows;
   p.max_tails = MaxTails(p);
   return nullptr;
 }
@@ -189,17 +122,6 @@ const char* LaunchGemmKernel(void (*kernel)(Params...), size_t smem, int64_t cta
   if (ctas == 0) return nullptr;
   kernel<<<static_cast<unsigned>(ctas), GemmConfig::kThreads, smem, stream>>>(args...);
   return Check(cudaGetLastError());
-}
-
-// Whether a row-grouped launch of `c` runs in clusters of two CTAs (ScheduleUnit): when its
-// groups have few rows (FewRowsPerGroup). MOK_GEMM_CLUSTER=1 or 2 forces either.
-inline bool UseClusters(const ChainParams& c) {
-  static const int forced = EnvOverride("MOK_GEMM_CLUSTER", 1, 2);
-  if (forced > 0) return forced == 2;
-  for (const GemmParams& p : c.gemm) {
-    if (p.offsets) return FewRowsPerGroup(p);
-  }
-  return false;
 }
 
 // How many clusters of `config`'s kernel fit on the device at once (not every SM may find a
@@ -280,20 +202,6 @@ const char* ChainTiles(const ChainParams& c, int64_t* tiles) {
   return nullptr;
 }
 
-// The CTAs of a launch: one an SM. MOK_GEMM_CTAS=n runs the row-grouped launches (the forward
-// MLPs, the SwiGLU backward, dx_r) on n, MOK_WGRAD_CTAS=n the weight gradients' (diagnostics:
-// whether a launch bound by HBM or by its stores gives the same time on fewer SMs for less
-// energy, which the power cap turns into time).
-//
-// On an H200, dsv3's weight-gradient launch takes near 132 / n times as long on n CTAs (9.33 ms
-// on 100 against 7.75 on 132): what bounds it is in each SM, not shared (docs/performance.md).
-template <Schedule kSched>
-int LaunchCtas(int sms) {
-  static const int forced = EnvOverride(
-      kSched == Schedule::kGroupedK ? "MOK_WGRAD_CTAS" : "MOK_GEMM_CTAS", 1, 1 << 20);
-  return forced > 0 ? std::min(forced, sms) : sms;
-}
-
 // The prepared GEMMs of `c` on a persistent grid that takes its tiles from c.queue.
 template <class Kind0, class Kind1>
 const char* LaunchQueued(const ChainParams& c, cudaStream_t stream) {
@@ -302,7 +210,6 @@ const char* LaunchQueued(const ChainParams& c, cudaStream_t stream) {
   if (tiles == 0) return nullptr;
   int sms = 0;
   if (auto err = SmCount(&sms)) return err;
-  sms = LaunchCtas<Kind0::kSched>(sms);
   // A unit of two tiles holds at least one: `tiles` bounds the units too. Only row-grouped
   // GEMMs run in clusters (a weight-gradient chain launched alone would not compile else).
   if constexpr (Kind0::kSched == Schedule::kRowsByGroup) {

@@ -156,7 +156,7 @@ const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
          a.dgu, a.h, nullptr, -1, expected},
         {a.x, a.ws_gate, a.ws_up, a.ws_down, nullptr, nullptr, 128, 1, a.T, a.H, a.Is,
          a.dgu_shared, a.h_shared, nullptr, -1, a.T}};
-    if (auto err = sm90::LaunchExpertMlps(mlps, mlp_count, true, false, a.queue + 0, ready,
+    if (auto err = sm90::LaunchExpertMlps(mlps, mlp_count, /*down=*/false, a.queue + 0, ready,
                                           stream))
       return err;
   }

@@ -1,9 +1,6 @@
 // Launch of the forward on one GPU: layout -> gather -> expert MLPs (gate|up with SwiGLU, then
 // down, routed and shared, one launch) -> combine, all enqueued on XLA's stream with no host
 // synchronisation.
-#include <cstdlib>
-#include <string>
-
 #include "../launch.h"
 #include "combine.cuh"
 #include "expert_mlp.cuh"
@@ -20,39 +17,6 @@ using sm90::GemmConfig;
 using sm90::GemmParams;
 using sm90::Matrix;
 
-namespace {
-
-// MOK_FWD_SKIP, a diagnostic: the stages named in it (comma-separated) are left out, so that
-// timing the forward without each one shows where its time goes; the results are then wrong.
-// The layout cannot be left out, since every later stage reads it: time it alone by leaving out
-// all the others.
-struct Skip {
-  bool gather = false, gemm1 = false, gemm2 = false, shared = false, combine = false;
-  // gemm1, gemm2 and shared leave tiles out of the expert-MLP launch.
-};
-
-const char* ReadSkip(Skip* skip) {
-  const char* env = std::getenv("MOK_FWD_SKIP");
-  if (!env) return nullptr;
-  std::string list(env);
-  for (size_t begin = 0; begin <= list.size();) {
-    size_t end = list.find(',', begin);
-    if (end == std::string::npos) end = list.size();
-    const std::string name = list.substr(begin, end - begin);
-    if (name == "gather") skip->gather = true;
-    else if (name == "gemm1") skip->gemm1 = true;
-    else if (name == "gemm2") skip->gemm2 = true;
-    else if (name == "shared") skip->shared = true;
-    else if (name == "combine") skip->combine = true;
-    else if (!name.empty())
-      return "MOK_FWD_SKIP names stages among gather, gemm1, gemm2, shared, combine";
-    begin = end + 1;
-  }
-  return nullptr;
-}
-
-}  // namespace
-
 const char* LaunchMoeFwd(const MoeFwdArgs& a, cudaStream_t stream) {
   if (a.H % 64 || a.I % 64 || a.Is % 64) return "H, I and Is must be multiples of 64";
   if (a.E > sm90::kMaxExperts) return "at most 512 experts per GPU";
@@ -63,8 +27,6 @@ const char* LaunchMoeFwd(const MoeFwdArgs& a, cudaStream_t stream) {
   const int E = static_cast<int>(a.E), k = static_cast<int>(a.k);
   const int64_t chunks = CeilDiv(routes, sm90::kLayoutChunk);
   const int64_t expected = ExpectedRoutedRows(routes, a.R, a.ranks);
-  Skip skip;
-  if (auto err = ReadSkip(&skip)) return err;
 
   // 1. Layout; it also clears the expert-MLP launch's tile queue.
   int32_t* queue = a.layout + LayoutCountInts(routes, a.E);
@@ -80,11 +42,9 @@ const char* LaunchMoeFwd(const MoeFwdArgs& a, cudaStream_t stream) {
   sm90::LayoutPositionsKernel<<<chunks, sm90::kLayoutChunk, 0, stream>>>(
       a.experts, routes, E, a.layout, a.offsets, a.pos, a.rows, a.R);
   // 2. Gather the routed token rows (zeros for padding rows).
-  if (!skip.gather) {
-    sm90::GatherKernel<<<sm90::GatherCtas(a.T, E), 256, 0, stream>>>(
-        static_cast<const __nv_bfloat16*>(a.x), a.pos, a.rows, a.offsets, a.T, k, a.block_m,
-        static_cast<int>(a.H), static_cast<__nv_bfloat16*>(a.xs), nullptr, 0);
-  }
+  sm90::GatherKernel<<<sm90::GatherCtas(a.T, E), 256, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(a.x), a.pos, a.rows, a.offsets, a.T, k, a.block_m,
+      static_cast<int>(a.H), static_cast<__nv_bfloat16*>(a.xs), nullptr, 0);
   // 3. Expert MLPs, routed and shared (one group of T rows read straight from x), in one
   // launch: gu (unless null: not kept) and h = silu(g) * u, then y = h @ w_down.
   sm90::ExpertMlp mlps[2] = {
@@ -92,8 +52,8 @@ const char* LaunchMoeFwd(const MoeFwdArgs& a, cudaStream_t stream) {
        a.y_routed, 0, expected},
       {a.x, a.ws_gate, a.ws_up, a.ws_down, nullptr, nullptr, 128, 1, a.T, a.H, a.Is, a.gu_shared,
        a.h_shared, a.y_shared, static_cast<int>(RoutedRowTilesBound(routes, a.E)), a.T}};
-  const int count = (a.Is > 0 && !skip.shared) ? 2 : 1;
-  if (auto err = sm90::LaunchExpertMlps(mlps, count, !skip.gemm1, !skip.gemm2, queue,
+  const int count = a.Is > 0 ? 2 : 1;
+  if (auto err = sm90::LaunchExpertMlps(mlps, count, /*down=*/true, queue,
                                         queue + kQueueHeaderInts, stream))
     return err;
   // 4. Combine.
@@ -102,7 +62,6 @@ const char* LaunchMoeFwd(const MoeFwdArgs& a, cudaStream_t stream) {
   const auto* y_shared = a.Is > 0 ? static_cast<const bf16*>(a.y_shared) : nullptr;
   const unsigned combine_ctas = static_cast<unsigned>(CeilDiv(a.T, 8));
   const int H = static_cast<int>(a.H);
-  if (skip.combine) return Check(cudaGetLastError());
   if (a.y_f32) {
     sm90::CombineKernel<bf16, float><<<combine_ctas, 256, 0, stream>>>(
         y_routed, y_shared, a.pos, a.weights, a.T, k, H, static_cast<float*>(a.y));
