@@ -16,9 +16,6 @@
 #   TESTS=name[,name] run this tree's GPU tests against those builds after the measures (their
 #                     last line in ab.log), so an A/B and the tests of the build to keep fit in one
 #                     call; TESTS_TIMEOUT=s bounds each (default 300)
-#   ENVS="VAR=v[,VAR=v] ..." measure every build again with each of those settings of the
-#                     launch choices' environment, named build@settings in ab.log (the same bits;
-#                     a sweep of one build's knobs by time and by joules a call)
 # A .whl/ folder in the tree, if present, holds wheels the device machine lacks (installed into
 # /tmp/site) and import stubs (.whl/stub); both go on PYTHONPATH.
 #
@@ -56,12 +53,9 @@ for v in $names; do
 done
 for r in $(seq $rounds); do
   for v in $built; do
-    for e in "" ${ENVS:-}; do
-      name=$v${e:+@$e}
-      env ${e//,/ } PYTHONPATH=/tmp/ab/$v:$PYTHONPATH timeout ${MEASURE_TIMEOUT:-300} \
-        python3 tools/ab/measure.py $name $shapes ${MODES:-fwd,fwd+bwd} \
-        2> "$logs/measure_${name//[^A-Za-z0-9_.-]/_}_$r.err" | tee -a $OUT/ab.log
-    done
+    PYTHONPATH=/tmp/ab/$v:$PYTHONPATH timeout ${MEASURE_TIMEOUT:-300} \
+      python3 tools/ab/measure.py $v $shapes ${MODES:-fwd,fwd+bwd} \
+      2> "$logs/measure_${v}_$r.err" | tee -a $OUT/ab.log
   done
 done
 tests=${TESTS:-}
