@@ -38,6 +38,7 @@ class Plan(NamedTuple):
   route: jax.Array  # (P C,) int32: the route t k + j in each send slot; -1 for an empty slot
   slot: jax.Array  # (T, k) int32: the send slot of route (t, j); -1 for an id outside [0, E)
   need: jax.Array  # () int32: the most routes this rank sends to one rank
+  sent: jax.Array  # (P,) int32: the rows this rank sends to each rank, at most C
 
 
 def capacity(T: int, k: int, config: Config) -> int:
@@ -65,7 +66,8 @@ def plan(experts, n_local: int, n_ranks: int, C: int) -> Plan:
   # is dropped by the scatter instead of being written out of bounds.
   route = jnp.full((n_ranks * C,), -1, jnp.int32).at[
       jnp.where(fits, sorted_slot, n_ranks * C)].set(order, mode="drop")
-  return Plan(route, slot.reshape(T, k), jnp.max(counts[:n_ranks], initial=0))
+  return Plan(route, slot.reshape(T, k), jnp.max(counts[:n_ranks], initial=0),
+              jnp.minimum(counts[:n_ranks], C))
 
 
 def _raise_overflow(need, C):
@@ -82,13 +84,39 @@ def check_capacity(p: Plan, C: int, config: Config):
     jax.debug.callback(functools.partial(_raise_overflow, C=C), p.need)
 
 
-def exchange(a, axis_name, n_ranks: int):
+# Platforms whose XLA has no ragged all-to-all (XLA:CPU): they move whole (C, ...) blocks.
+DENSE_PLATFORMS = ("cpu",)
+
+
+def exchange(a, axis_name, n_ranks: int, sizes=None):
   """(P C, ...) in blocks by destination rank -> (P C, ...) in blocks by source rank: block d of
-  every rank goes to rank d. Its own inverse; the identity on one rank."""
+  every rank goes to rank d, the identity on one rank. sizes: None, or (send, recv) (P,) int32,
+  the rows of each block that hold data going out and coming in; then only those rows move
+  (jax.lax.ragged_all_to_all) and the rest of each received block is zeros, except on
+  DENSE_PLATFORMS, which move every block whole (an all_to_all: the same result where the
+  blocks' rows past `send` are zeros). Its own inverse with sizes reversed."""
   if axis_name is None:
     return a
-  blocks = a.reshape(n_ranks, -1, *a.shape[1:])
-  return jax.lax.all_to_all(blocks, axis_name, 0, 0, tiled=True).reshape(a.shape)
+
+  def dense(a, *_):
+    blocks = a.reshape(n_ranks, -1, *a.shape[1:])
+    return jax.lax.all_to_all(blocks, axis_name, 0, 0, tiled=True).reshape(a.shape)
+
+  if sizes is None:
+    return dense(a)
+
+  def ragged(a, send, recv):
+    C = a.shape[0] // n_ranks
+    starts = jnp.arange(n_ranks, dtype=jnp.int32) * C
+    # Each rank's rows land in block `its index` of every receiver's buffer.
+    at = jnp.full((n_ranks,), jax.lax.axis_index(axis_name) * C, jnp.int32)
+    return _ragged_all_to_all(a, jnp.zeros_like(a), starts, send, at, recv, axis_name=axis_name)
+
+  per_platform = {p: dense for p in DENSE_PLATFORMS}
+  return jax.lax.platform_dependent(a, *sizes, default=ragged, **per_platform)
+
+
+_ragged_all_to_all = jax.lax.ragged_all_to_all
 
 
 def _per_slot(a, route, k=1):
@@ -209,10 +237,12 @@ def routed_moe(x, experts, weights, w_gate, w_up, w_down, shared, *, pieces, axi
   # Each send slot's expert as its destination holds it: rank e // E_local's expert e % E_local.
   ids = _per_slot(experts.reshape(-1) % w_gate.shape[0], p.route).astype(jnp.int32)
   ids = jnp.where(p.route >= 0, ids, -1)
+  # The rows each rank sends this one (a (P,) all_to_all).
+  recv = exchange(p.sent, axis_name, n_ranks)
   args = (x, weights, (w_gate, w_up, w_down), shared)
-  axes = frozenset().union(*map(reference.varying_axes, jax.tree.leaves((args, p, ids))))
-  args, (p, ids) = reference.vary((args, (p, ids)), axes)
-  return _routed_vjp(pieces, axis_name, n_ranks)(*args, p, ids)
+  axes = frozenset().union(*map(reference.varying_axes, jax.tree.leaves((args, p, ids, recv))))
+  args, routing = reference.vary((args, (p, ids, recv)), axes)
+  return _routed_vjp(pieces, axis_name, n_ranks)(*args, *routing)
 
 
 @functools.lru_cache(maxsize=None)
@@ -220,35 +250,41 @@ def _routed_vjp(pieces, axis_name, n_ranks):
   """The routed layer's custom VJP for these static parts (cached, so that jit sees one
   function for one layer)."""
 
-  def forward(x, weights, experts_w, shared, p, ids, keep=True):
+  def exchanges(p, recv):
+    """To the owners and back: only the rows that hold routes move (`exchange`)."""
+    out = functools.partial(exchange, axis_name=axis_name, n_ranks=n_ranks, sizes=(p.sent, recv))
+    back = functools.partial(exchange, axis_name=axis_name, n_ranks=n_ranks, sizes=(recv, p.sent))
+    return out, back
+
+  def forward(x, weights, experts_w, shared, p, ids, recv, keep=True):
     k = p.slot.shape[1]
-    send = functools.partial(exchange, axis_name=axis_name, n_ranks=n_ranks)
-    x_recv = send(_per_slot(x, p.route, k))
-    ids_recv = send(ids)
-    w_recv = send(_per_slot(weights.reshape(-1), p.route))
+    out, back = exchanges(p, recv)
+    x_recv = out(_per_slot(x, p.route, k))
+    ids_recv = out(ids + 1) - 1  # received blocks' empty rows are zeros: ids -1
+    w_recv = out(_per_slot(weights.reshape(-1), p.route))
     rows_out, experts_res = pieces.experts_fwd(x_recv, ids_recv, experts_w, keep)
-    rows_back = send(rows_out)
+    rows_back = back(rows_out)
     extra, shared_res = (None, None) if shared is None else pieces.shared_fwd(x, shared, keep)
     y = pieces.combine(rows_back, p.slot, weights, extra, x.dtype)
-    return y, (p, w_recv, experts_res, shared_res)
+    return y, (p, recv, w_recv, experts_res, shared_res)
 
   @jax.custom_vjp
-  def layer(x, weights, experts_w, shared, p, ids):
+  def layer(x, weights, experts_w, shared, p, ids, recv):
     # The primal, run when nothing is differentiated: no backward reads residuals.
-    return forward(x, weights, experts_w, shared, p, ids, keep=False)[0]
+    return forward(x, weights, experts_w, shared, p, ids, recv, keep=False)[0]
 
   def backward(saved, dy):
-    p, w_recv, experts_res, shared_res = saved
+    p, recv, w_recv, experts_res, shared_res = saved
     k = p.slot.shape[1]
-    send = functools.partial(exchange, axis_name=axis_name, n_ranks=n_ranks)
-    dy_recv = send(_per_slot(dy, p.route, k))
+    out, back = exchanges(p, recv)
+    dy_recv = out(_per_slot(dy, p.route, k))
     dx_recv, dw_recv, d_experts = pieces.experts_bwd(experts_res, dy_recv, w_recv)
-    dx_back, dw_back = send(dx_recv), send(dw_recv)
+    dx_back, dw_back = back(dx_recv), back(dw_recv)
     dx_extra, d_shared = (None, None) if shared_res is None else pieces.shared_bwd(shared_res,
                                                                                    dy)
     dx = pieces.combine(dx_back, p.slot, None, dx_extra, dy.dtype)  # dy, y and x: one dtype
     dweights = jnp.where(p.slot >= 0, dw_back[jnp.maximum(p.slot, 0)], 0.0)
-    return dx, dweights.astype(jnp.float32), d_experts, d_shared, None, None
+    return dx, dweights.astype(jnp.float32), d_experts, d_shared, None, None, None
 
   layer.defvjp(forward, backward)
   return layer

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import mok_jax
 import oracle
+from mok_jax import expert_parallel
 from cases import (BF16, CPU_BACKENDS, F32, F32_RTOL, assert_close, assert_ep_bits,
                    assert_grads_close, assert_same_bits, distinct_experts, loss_and_grads,
                    make_case, mesh_of, sharded_grad_fn, sharded_loss_and_grads)
@@ -245,3 +246,65 @@ def test_ep_inference_has_the_training_bits(backend):
         case.shared)
   want_y, _ = sharded_loss_and_grads(case, backend, mesh, P("ep"), P("ep"), "ep")
   assert_same_bits(y, want_y, f"{backend} inference y")
+
+
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                               recv_sizes, *, axis_name):
+  """jax.lax.ragged_all_to_all's documented semantics, from all_gathers (XLA:CPU has no ragged
+  all-to-all): each rank s sends operand[input_offsets[d] : + send_sizes[d]] to rank d, which
+  finds them at output[output_offsets[d] : + send_sizes[d]] (offsets in the receiver's buffer,
+  given by the sender); recv_sizes[s] must be what s sends. Rows of operand past the sizes are
+  never read, rows of output that nothing lands in keep output's values; a recv_sizes that
+  disagrees turns the output to 7s, so that no test can pass on it."""
+  n_ranks, me = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
+  gather = functools.partial(jax.lax.all_gather, axis_name=axis_name)
+  rows, starts, sizes, at = map(gather, (operand, input_offsets, send_sizes, output_offsets))
+  n = output.shape[0]
+  i = jnp.arange(n)
+  for s in range(n_ranks):
+    src = jnp.clip(starts[s, me] + i, 0, operand.shape[0] - 1)
+    dst = jnp.where(i < sizes[s, me], at[s, me] + i, n)  # row n: dropped
+    output = output.at[dst].set(rows[s][src], mode="drop")
+  agree = jnp.all(recv_sizes == sizes[:, me])
+  return jnp.where(agree, output, jnp.full_like(output, 7))
+
+
+@pytest.fixture
+def ragged_on_cpu(monkeypatch):
+  """The ragged transport on CPU devices, through the emulation above."""
+  monkeypatch.setattr(expert_parallel, "DENSE_PLATFORMS", ())
+  monkeypatch.setattr(expert_parallel, "_ragged_all_to_all", emulated_ragged_all_to_all)
+
+
+@pytest.mark.parametrize("route", ["random", "one_rank", "sparse"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("ep", [2, 8])
+def test_ragged_exchange_has_the_single_device_bits(ep, backend, route, ragged_on_cpu):
+  """Only the rows that hold routes move, out and back, forward and backward: every send
+  offset, size and receive size right, or y and the gradients lose rows."""
+  del ragged_on_cpu
+  case = ep_case(IS, BF16, seed=4, route=route)
+  y, grads = sharded_loss_and_grads(case, backend, mesh_of(ep), P("ep"), P("ep"), "ep")
+  want_y, want_grads = single_device(backend, IS, BF16, seed=4, route=route)
+  assert_ep_bits(y, grads, want_y, want_grads, f"ragged EP={ep} {backend} {route}", BF16,
+                 backend)
+
+
+def collectives(hlo: str):
+  """The collectives of a StableHLO module (ragged_all_to_all is a custom call there)."""
+  return sorted({op for op in ("all_to_all", "all_gather", "all_reduce", "collective_permute")
+                 if f"stablehlo.{op}" in hlo} |
+                ({"ragged_all_to_all"} if "@ragged_all_to_all" in hlo else set()))
+
+
+@pytest.mark.parametrize("platform,want", [("cpu", ["all_to_all"]),
+                                           ("cuda", ["all_to_all", "ragged_all_to_all"])])
+def test_the_transport_by_platform(platform, want):
+  """The program lowered for a GPU moves the routed rows by ragged all-to-alls (the (P,) counts
+  by one all_to_all); for XLA:CPU, which has none, by all_to_alls of whole blocks."""
+  case = ep_case(None)
+  f = jax.jit(sharded_grad_fn(case, "xla", mesh_of(4), P("ep"), P("ep"), "ep"))
+  unchecked = [jax.export.DisabledSafetyCheck.custom_call("ragged_all_to_all")]
+  exported = jax.export.export(f, platforms=(platform,), disabled_checks=unchecked)(
+      *case.params())
+  assert collectives(exported.mlir_module()) == want
