@@ -30,7 +30,7 @@ class Config:
       (forward + backward do 11/9 of the save mode's work). The same bits either way. Not
       differentiated (inference), the layer's forward keeps neither whatever this knob says.
     ep_transport: how expert parallelism (`moe(..., axis_name=...)`) moves the routed rows.
-      "collective": XLA's all_to_all (mok_jax.expert_parallel); "auto": the best transport
+      "collective": XLA's ragged all-to-all (mok_jax.expert_parallel); "auto": the best transport
       there is, today "collective"; "nvlink" (the CUDA kernels' own, over NVLink) is not
       available yet and raises.
     ep_capacity: None (dropless, the default) or the most routed rows that one rank sends to
