@@ -5,7 +5,10 @@
 # Usage: bash tools/gpu_check.sh STAGE...
 #   build              MOK_CUDA=ON pip install -e . (no build isolation: nanobind,
 #                      scikit-build-core and CUTLASS must be installed)
-#   tests              python -m pytest -m gpu (the sanitizer tests left to the next stage)
+#   tests[:FILES]      python -m pytest -m gpu on FILES (comma-separated; default: every test
+#                      file, the transforms' first), one line a test as it ends, so that a
+#                      stage stopped by its timeout still shows what ran (the sanitizer tests
+#                      are left to the next stage)
 #   sanitize[:T,...]   tools/sanitize.sh with tools T (default: memcheck,initcheck,racecheck)
 #   bench[:ARGS]       python -m mok_jax.bench ARGS (default: every shape, every peer), with its
 #                      records, table and chart in $OUT
@@ -28,9 +31,10 @@ for stage in "$@"; do
       MOK_CUDA=ON timeout "$limit" python3 -m pip install -q --no-build-isolation --no-deps -e . \
         > "$out/build.log" 2>&1 ;;
     tests)
-      timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 \
-        --deselect tests/test_sanitizer_cuda.py --junitxml "$out/gpu-tests.xml" tests \
-        > "$out/gpu-tests.log" 2>&1
+      files=${arg:-tests/test_transforms.py,tests/test_vmap.py,tests/test_nan_locality.py,tests}
+      timeout "$limit" python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider \
+        --durations=15 --deselect tests/test_sanitizer_cuda.py --junitxml "$out/gpu-tests.xml" \
+        ${files//,/ } > "$out/gpu-tests.log" 2>&1
       rc=$?; tail -3 "$out/gpu-tests.log"; (exit $rc) ;;
     sanitize)
       SANITIZE_LOGS="$out/sanitize" timeout "$limit" bash tools/sanitize.sh ${arg//,/ } ;;
