@@ -12,6 +12,9 @@ Recipes (`Config.precision`):
 A value is a / scale rounded to the nearest e4m3 (ties to even) and saturated at +-448; its
 dequantized value is that e4m3 times the scale, exact in f32. Blocks at an edge that the shape
 does not fill hold fewer values.
+
+`quantize_experts` quantizes `mok_jax.moe`'s expert weights once (`QuantizedWeight`), for the
+layer to take in their place.
 """
 
 from __future__ import annotations
@@ -121,9 +124,10 @@ class QuantizedWeight:
   The layer's products read only the blocks: `blocks` those of the forward product, which
   reduces over K; `blocks_t` those of the data gradient, which reduces over N, or None where
   the same blocks serve W^T ("fp8": 128 x 128). The weight gradient, a GEMM of x's dtype on
-  unquantized operands, is w.r.t. `master`, the weight quantized: an e4m3 leaf could carry no
-  bf16 gradient, and with `master` one the gradient reaches the master weights straight
-  through (d blocks / d master = identity) by ordinary autodiff. The recipe is static.
+  unquantized operands that never reads the weight's values, is w.r.t. `master`, the weight
+  quantized: an e4m3 leaf could carry no bf16 gradient, and through `master` the gradient
+  reaches the master weights straight through (d quantize_experts(w) / d w = identity) by
+  ordinary autodiff. The recipe is static (jit-static, kept by vmap and scan).
   """
 
   blocks: Blocks
@@ -155,11 +159,9 @@ def _orientations(recipe):
   return (-2,) if weight_block(recipe, -2) == weight_block(recipe, -1) else (-2, -1)
 
 
-def quantize_weight(w, recipe: str) -> QuantizedWeight:
+def _quantize_weight(w, recipe: str) -> QuantizedWeight:
   """w (..., K, N) as `QuantizedWeight`: its blocks computed from stop_gradient(w), w itself
   the master."""
-  if recipe not in RECIPES:
-    raise ValueError(f"quantize_experts: recipe must be one of {RECIPES}, got {recipe!r}")
   fixed = jax.lax.stop_gradient(w)
   blocks = [quantize(fixed, weight_block(recipe, axis), recipe) for axis in _orientations(recipe)]
   return QuantizedWeight(blocks[0], blocks[1] if len(blocks) > 1 else None, w, recipe)
@@ -191,7 +193,7 @@ def quantize_experts(w_gate, w_up, w_down, *, recipe: str = "fp8"):
   if jnp.shape(w_up) != (E, H, I) or jnp.shape(w_down) != (E, I, H):
     raise ValueError(f"quantize_experts: w_gate, w_up must be (E, H, I) and w_down (E, I, H); "
                      f"got {jnp.shape(w_gate)}, {jnp.shape(w_up)}, {jnp.shape(w_down)}")
-  return tuple(quantize_weight(w, recipe) for w in named.values())
+  return tuple(_quantize_weight(w, recipe) for w in named.values())
 
 
 def check_quantized(w: QuantizedWeight, name: str, recipe: str):
@@ -202,12 +204,11 @@ def check_quantized(w: QuantizedWeight, name: str, recipe: str):
                      f"Config(precision={recipe!r}); quantize with recipe={recipe!r} or pass "
                      f"Config(precision={w.recipe!r})")
   orientations = _orientations(recipe)
-  got = (w.blocks, w.blocks_t)
   if (w.blocks_t is None) != (len(orientations) == 1):
     want = "None" if len(orientations) == 1 else "the blocks of W^T"
     raise ValueError(f"moe: {name}.blocks_t must be {want} for recipe {recipe!r}; make the "
                      "weights with mok_jax.quantize_experts")
-  for axis, q in zip(orientations, got):
+  for axis, q in zip(orientations, (w.blocks, w.blocks_t)):
     want = scale_shape(w.shape, weight_block(recipe, axis))
     if (not isinstance(q, Blocks) or jnp.shape(q.data) != w.shape or jnp.shape(q.scale) != want
         or jnp.result_type(q.data) != E4M3 or jnp.result_type(q.scale) != jnp.float32):
