@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, PartitionSpec
 
-from mok_jax import expert_parallel, ops, reference, sharded
+from mok_jax import expert_parallel, ops, quantize, reference, sharded
 from mok_jax.config import Config
 
 BACKENDS = ("auto", "xla", "ffi", "cuda")
@@ -106,7 +106,10 @@ def moe(x, experts, weights, w_gate, w_up, w_down, *, shared=None, axis_name=Non
     x: (T, H) tokens of this rank, bfloat16 or float32.
     experts: (T, k) integer global expert ids. An id outside [0, E) contributes nothing.
     weights: (T, k) float combine weights (used in f32).
-    w_gate, w_up: (E_local, H, I); w_down: (E_local, I, H); dtype of x.
+    w_gate, w_up: (E_local, H, I); w_down: (E_local, I, H); dtype of x. Or all three
+      quantized once by `mok_jax.quantize_experts` (with an FP8 `Config.precision`, its recipe,
+      on the "xla" backend): the bits of y and of every gradient that the arrays give, the
+      weight gradients w.r.t. the master weights they were quantized from.
     shared: None or (ws_gate (H, Is), ws_up (H, Is), ws_down (Is, H)), dtype of x.
     axis_name: None, or the `shard_map` axis over which experts are sharded: with P ranks,
       E = P * E_local and global expert e lives on rank e // E_local. Without it, inputs with
@@ -127,6 +130,7 @@ def moe(x, experts, weights, w_gate, w_up, w_down, *, shared=None, axis_name=Non
     raise ValueError(f"moe: config must be a mok_jax.Config, got {type(config).__name__}")
   n_ranks = 1 if axis_name is None else jax.lax.axis_size(axis_name)
   experts, weights = _as_ids(experts), jnp.asarray(weights)
+  _check_quantized(w_gate, w_up, w_down, shared, config, backend)
   dims = ops.check_moe_args(x, experts, weights, w_gate, w_up, w_down, shared)
   if not jnp.issubdtype(experts.dtype, jnp.integer):
     raise ValueError(f"moe: experts must be an integer array, got {experts.dtype}")
@@ -137,12 +141,45 @@ def moe(x, experts, weights, w_gate, w_up, w_down, *, shared=None, axis_name=Non
     raise ValueError(f"moe: top_k = experts.shape[1] = {dims.k} exceeds the number of experts "
                      f"E = {E} ({n_ranks} rank(s) x {dims.E} local)")
   if axis_name is None:
-    where = sharded.placement(x, experts, weights, w_gate, w_up, w_down, shared)
+    where = sharded.placement(x, experts, weights, *map(_master, (w_gate, w_up, w_down)),
+                              shared)
     if where is not None:
       return placed_moe(x, experts, weights, w_gate, w_up, w_down, shared, where=where,
                         config=config, backend=backend)
   return _layer(x, experts, weights, w_gate, w_up, w_down, shared, axis_name=axis_name,
                 config=config, backend=backend)
+
+
+def _master(w):
+  """The array a quantized weight stands for (the one its sharding is read from)."""
+  return w.master if isinstance(w, quantize.QuantizedWeight) else w
+
+
+def _check_quantized(w_gate, w_up, w_down, shared, config, backend):
+  """Quantized expert weights (quantize.QuantizedWeight) go together, with the precision of
+  their recipe, to the backend that has FP8 products; their blocks match their masters."""
+  named = {"w_gate": w_gate, "w_up": w_up, "w_down": w_down}
+  quantized = [n for n, w in named.items() if isinstance(w, quantize.QuantizedWeight)]
+  if any(isinstance(w, quantize.QuantizedWeight) for w in (shared or ())):
+    raise ValueError("moe: the shared expert takes arrays (of x's dtype; an FP8 precision "
+                     "quantizes them in the call); mok_jax.quantize_experts is for the routed "
+                     "experts' w_gate, w_up, w_down")
+  if not quantized:
+    return
+  if len(quantized) != 3:
+    raise ValueError(f"moe: {', '.join(quantized)} quantized but not "
+                     f"{', '.join(n for n in named if n not in quantized)}; pass all three "
+                     "from mok_jax.quantize_experts(w_gate, w_up, w_down), or all three arrays")
+  recipe = w_gate.recipe
+  if config.precision == "bf16":
+    raise ValueError(f"moe: quantized expert weights (recipe {recipe!r}) need "
+                     f"Config(precision={recipe!r}); for bf16 products pass the master weights "
+                     "(w.master)")
+  if backend in ("ffi", "cuda"):
+    raise ValueError(f"moe: quantized expert weights run on backend='xla' so far (or 'auto', "
+                     f"which picks it); backend={backend!r} has no FP8 kernels yet")
+  for name, w in named.items():
+    quantize.check_quantized(w, name, config.precision)
 
 
 def _layer(x, experts, weights, w_gate, w_up, w_down, shared=None, *, axis_name, config,

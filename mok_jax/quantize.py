@@ -12,10 +12,15 @@ Recipes (`Config.precision`):
 A value is a / scale rounded to the nearest e4m3 (ties to even) and saturated at +-448; its
 dequantized value is that e4m3 times the scale, exact in f32. Blocks at an edge that the shape
 does not fill hold fewer values.
+
+`quantize_experts` quantizes `mok_jax.moe`'s expert weights once (`QuantizedWeight`), for the
+layer to take in their place.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
@@ -107,3 +112,113 @@ def fake_quantize(a, block: tuple[int, int], recipe: str):
 def scale_shape(shape, block) -> tuple[int, ...]:
   """The shape of the scales of an array of `shape` in blocks of `block`."""
   return (*shape[:-2], math.ceil(shape[-2] / block[0]), math.ceil(shape[-1] / block[1]))
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("blocks", "blocks_t", "master"),
+                   meta_fields=("recipe",))
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+  """An expert weight (E, K, N) quantized once for `mok_jax.moe` (`quantize_experts`), in place
+  of the array with the same bits of y and of every gradient.
+
+  The layer's products read only the blocks: `blocks` those of the forward product, which
+  reduces over K; `blocks_t` those of the data gradient, which reduces over N, or None where
+  the same blocks serve W^T ("fp8": 128 x 128). The weight gradient, a GEMM of x's dtype on
+  unquantized operands that never reads the weight's values, is w.r.t. `master`, the weight
+  quantized: an e4m3 leaf could carry no bf16 gradient, and through `master` the gradient
+  reaches the master weights straight through (d quantize_experts(w) / d w = identity) by
+  ordinary autodiff. The recipe is static (jit-static, kept by vmap and scan).
+  """
+
+  blocks: Blocks
+  blocks_t: Blocks | None
+  master: jax.Array
+  recipe: str
+
+  @property
+  def shape(self):
+    return self.master.shape
+
+  @property
+  def dtype(self):
+    return self.master.dtype
+
+  @property
+  def ndim(self):
+    return self.master.ndim
+
+  def values(self, reduce_axis: int):
+    """The f32 values the product that reduces over `reduce_axis` (-2: K, -1: N) reads."""
+    q = self.blocks if reduce_axis == -2 or self.blocks_t is None else self.blocks_t
+    return dequantize(q, weight_block(self.recipe, reduce_axis))
+
+
+def _orientations(recipe):
+  """The reduce axes whose weight blocks differ: -2 (the forward), and -1 (the data gradient)
+  unless the forward's blocks serve it too."""
+  return (-2,) if weight_block(recipe, -2) == weight_block(recipe, -1) else (-2, -1)
+
+
+def _quantize_weight(w, recipe: str) -> QuantizedWeight:
+  """w (..., K, N) as `QuantizedWeight`: its blocks computed from stop_gradient(w), w itself
+  the master."""
+  fixed = jax.lax.stop_gradient(w)
+  blocks = [quantize(fixed, weight_block(recipe, axis), recipe) for axis in _orientations(recipe)]
+  return QuantizedWeight(blocks[0], blocks[1] if len(blocks) > 1 else None, w, recipe)
+
+
+def quantize_experts(w_gate, w_up, w_down, *, recipe: str = "fp8"):
+  """The expert weights of `mok_jax.moe` quantized once, to pass in their place with
+  `Config(precision=recipe)`: the same bits of y and of every gradient as the arrays, and the
+  gradients w.r.t. w_gate, w_up, w_down (straight through).
+
+  w_gate, w_up (E, H, I) and w_down (E, I, H), float, of x's dtype (cast them first, as for
+  `moe`). "fp8": one 128 x 128 quantization each, for the forward and the data gradients
+  alike. "mxfp8": its 1 x 32 blocks lie along the reduced axis, K in the forward and N in the
+  data gradient, so each weight is quantized in both orientations (twice the e4m3 bytes). One
+  pass over the weights: b 3 E H I bytes read (b a weight element's), 3 E H I (1 + 4 / 128^2)
+  written, and twice 3 E H I (1 + 1 / 32) for "mxfp8".
+  """
+  if recipe not in RECIPES:
+    raise ValueError(f"quantize_experts: recipe must be one of {RECIPES}, got {recipe!r}")
+  named = {"w_gate": w_gate, "w_up": w_up, "w_down": w_down}
+  for name, w in named.items():
+    if isinstance(w, QuantizedWeight):
+      raise ValueError(f"quantize_experts: {name} is quantized already; pass its master weight "
+                       f"({name}.master)")
+    if jnp.ndim(w) != 3 or not jnp.issubdtype(jnp.result_type(w), jnp.floating):
+      raise ValueError(f"quantize_experts: {name} must be a float array (E, K, N), got "
+                       f"{jnp.result_type(w)} {jnp.shape(w)}")
+  E, H, I = jnp.shape(w_gate)
+  if jnp.shape(w_up) != (E, H, I) or jnp.shape(w_down) != (E, I, H):
+    raise ValueError(f"quantize_experts: w_gate, w_up must be (E, H, I) and w_down (E, I, H); "
+                     f"got {jnp.shape(w_gate)}, {jnp.shape(w_up)}, {jnp.shape(w_down)}")
+  return tuple(_quantize_weight(w, recipe) for w in named.values())
+
+
+def check_quantized(w: QuantizedWeight, name: str, recipe: str):
+  """That w's blocks have the dtypes and shapes of its master's quantization by `recipe`
+  (which must be the one it was quantized with)."""
+  if w.recipe != recipe:
+    raise ValueError(f"moe: {name} was quantized with recipe {w.recipe!r}, but "
+                     f"Config(precision={recipe!r}); quantize with recipe={recipe!r} or pass "
+                     f"Config(precision={w.recipe!r})")
+  orientations = _orientations(recipe)
+  if (w.blocks_t is None) != (len(orientations) == 1):
+    want = "None" if len(orientations) == 1 else "the blocks of W^T"
+    raise ValueError(f"moe: {name}.blocks_t must be {want} for recipe {recipe!r}; make the "
+                     "weights with mok_jax.quantize_experts")
+  for axis, q in zip(orientations, (w.blocks, w.blocks_t)):
+    want = scale_shape(w.shape, weight_block(recipe, axis))
+    if (not isinstance(q, Blocks) or jnp.shape(q.data) != w.shape or jnp.shape(q.scale) != want
+        or jnp.result_type(q.data) != E4M3 or jnp.result_type(q.scale) != jnp.float32):
+      raise ValueError(
+          f"moe: {name}'s blocks must be e4m3 data of its master's shape {w.shape} and f32 "
+          f"scales {want}, got {_describe(q)}; make them with mok_jax.quantize_experts")
+
+
+def _describe(q):
+  if not isinstance(q, Blocks):
+    return type(q).__name__
+  return (f"{jnp.result_type(q.data)} {jnp.shape(q.data)} and {jnp.result_type(q.scale)} "
+          f"{jnp.shape(q.scale)}")

@@ -15,6 +15,7 @@ results do not depend on the order in which a device executes atomic updates.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -65,14 +66,21 @@ def quantized_dot(dot, recipe):
     d w          a^T times the cotangent, both in w's dtype, unquantized (a bf16 GEMM)
 
   The dequantized values are exact in f32, so HIGHEST-precision f32 products of them are the
-  kernels' e4m3 products, summed in f32."""
+  kernels' e4m3 products, summed in f32. w may be a quantize.QuantizedWeight: its blocks then
+  serve the forward and d a as they are, d w is w.r.t. its master (the same GEMM: d w never
+  reads w's values), and its blocks get zero cotangents."""
   blk = quantize.act_block(recipe)
 
   def vary_and_dot(a, w, *extra):
     # Under shard_map both operands vary like their union first, so that each gradient varies
     # like its operand (as in nan_local).
-    a, w = vary((a, w), varying_axes(a) | varying_axes(w))
+    a, w = vary((a, w), frozenset().union(*map(varying_axes, jax.tree.leaves((a, w)))))
     return f(a, w, *extra)
+
+  def weight_values(w, reduce_axis):
+    if isinstance(w, quantize.QuantizedWeight):
+      return w.values(reduce_axis)
+    return quantize.fake_quantize(w, quantize.weight_block(recipe, reduce_axis), recipe)
 
   @jax.custom_vjp
   def f(a, w, *extra):
@@ -80,17 +88,20 @@ def quantized_dot(dot, recipe):
 
   def forward(a, w, *extra):
     aq = quantize.fake_quantize(a, (1, blk), recipe)
-    wq = quantize.fake_quantize(w, quantize.weight_block(recipe, -2), recipe)
-    return dot(aq, wq, *extra), (a, w, extra)
+    return dot(aq, weight_values(w, -2), *extra), (a, w, extra)
 
   def backward(res, g):
     a, w, extra = res
     gq = quantize.fake_quantize(g, (1, blk), recipe)
-    wq = quantize.fake_quantize(w, quantize.weight_block(recipe, -1), recipe)
+    wq = weight_values(w, -1)
+    master = w.master if isinstance(w, quantize.QuantizedWeight) else w
     _, data_t = jax.vjp(lambda a_: dot(a_, wq, *extra), a.astype(jnp.float32))  # linear in a_
-    _, weight_t = jax.vjp(lambda w_: dot(a.astype(w.dtype), w_, *extra), w)
-    (da,), (dw,) = data_t(gq), weight_t(g.astype(w.dtype).astype(jnp.float32))
-    return (da.astype(a.dtype), dw.astype(w.dtype), *(None,) * len(extra))
+    _, weight_t = jax.vjp(lambda w_: dot(a.astype(master.dtype), w_, *extra), master)
+    (da,), (dw,) = data_t(gq), weight_t(g.astype(master.dtype).astype(jnp.float32))
+    dw = dw.astype(master.dtype)
+    if isinstance(w, quantize.QuantizedWeight):
+      dw = dataclasses.replace(jax.tree.map(jnp.zeros_like, w), master=dw)
+    return (da.astype(a.dtype), dw, *(None,) * len(extra))
 
   f.defvjp(forward, backward)
   return vary_and_dot
@@ -197,11 +208,15 @@ def expert_rows(x_rows, ids, w_gate, w_up, w_down, *, ragged_dot=None, precision
   The rows are sorted by expert (a stable sort: within an expert they keep their order) and
   multiplied by jax.lax.ragged_dot, or `ragged_dot` with its signature (the benchmark's peers);
   None: `nan_local` of jax.lax.ragged_dot. precision "fp8" or "mxfp8": each product on
-  block-quantized operands (`quantized_dot`), h = silu(g) u quantized from f32 as the FP8
-  kernels' epilogue does; "bf16": as written above, h rounded to x's dtype.
+  block-quantized operands (`quantized_dot`; the weights arrays or quantize.QuantizedWeight of
+  that recipe), h = silu(g) u quantized from f32 as the FP8 kernels' epilogue does; "bf16": as
+  written above, h rounded to x's dtype.
   """
   if ragged_dot is None:
     ragged_dot = nan_local(jax.lax.ragged_dot)
+  if precision == "bf16" and any(isinstance(w, quantize.QuantizedWeight)
+                                 for w in (w_gate, w_up, w_down)):
+    raise ValueError("expert_rows: quantized weights need an FP8 precision")
   E = w_gate.shape[0]
   valid = (ids >= 0) & (ids < E)
   # Rows without an expert get group E: they sort after every real group and fall outside

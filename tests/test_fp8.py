@@ -2,6 +2,7 @@
 the block quantizer against a NumPy one (the same bits), the quantized products against float64
 on the dequantized blocks, forward and backward, and the layer against the bf16 layer."""
 
+import dataclasses
 import functools
 
 import jax
@@ -12,7 +13,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import mok_jax
-from cases import BF16, F32, loss_and_grads, make_case, mesh_of, sharded_loss_and_grads
+from cases import (BF16, F32, GRAD_NAMES, assert_same_bits, distinct_experts, loss_and_grads,
+                   make_case, mesh_of, named_grads, sharded_loss_and_grads)
 from mok_jax import quantize, reference
 
 RECIPES = ("fp8", "mxfp8")
@@ -134,3 +136,314 @@ def test_fp8_errors():
       mok_jax.moe(*case.args(), config=mok_jax.Config(precision="fp8"), backend=backend)
   with pytest.raises(ValueError, match="recipe must be one of"):
     quantize.quantize(jnp.ones((2, 2)), (1, 2), "fp4")
+
+
+# --- mok_jax.quantize_experts ---------------------------------------------------------------
+
+
+def expert_weights(E=3, H=256, I=160, dtype=BF16, seed=3):
+  """(w_gate, w_up, w_down) whose blocks differ in scale (I = 160: edge blocks of 32 columns)."""
+  rng = np.random.default_rng(seed)
+  scale = lambda *s: np.exp2(rng.integers(-4, 4, s))  # noqa: E731
+  return tuple(jnp.asarray(rng.standard_normal(shape) * scale(shape[0], 1, shape[2]) / 16, dtype)
+               for shape in ((E, H, I), (E, H, I), (E, I, H)))
+
+
+def u8(a):
+  return np.asarray(a).view(np.uint8)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_quantize_experts_has_the_quantizer_bits(recipe):
+  ws = expert_weights()
+  qs = jax.jit(functools.partial(mok_jax.quantize_experts, recipe=recipe))(*ws)
+  assert len(qs) == 3
+  for w, q in zip(ws, qs):
+    assert q.recipe == recipe and q.shape == w.shape and q.dtype == w.dtype
+    assert np.array_equal(np.asarray(q.master).view(np.uint16), np.asarray(w).view(np.uint16))
+    want = quantize.quantize(w, quantize.weight_block(recipe, -2), recipe)
+    np.testing.assert_array_equal(u8(q.blocks.data), u8(want.data))
+    np.testing.assert_array_equal(np.asarray(q.blocks.scale), np.asarray(want.scale))
+    # Against the NumPy recipe too, on one expert.
+    data, scale = numpy_quantize(np.asarray(w[1], np.float32),
+                                 quantize.weight_block(recipe, -2), recipe)
+    np.testing.assert_array_equal(u8(q.blocks.data[1]), data.view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(q.blocks.scale[1]), scale)
+    if recipe == "fp8":
+      assert q.blocks_t is None  # the 128 x 128 blocks serve W^T
+      assert q.blocks.scale.shape == (3, -(-w.shape[1] // 128), -(-w.shape[2] // 128))
+    else:  # the data gradient's blocks run along N
+      want_t = quantize.quantize(w, (1, 32), recipe)
+      np.testing.assert_array_equal(u8(q.blocks_t.data), u8(want_t.data))
+      np.testing.assert_array_equal(np.asarray(q.blocks_t.scale), np.asarray(want_t.scale))
+      assert not np.array_equal(u8(q.blocks_t.data), u8(q.blocks.data))
+    for axis in (-2, -1):  # what each product reads: the per-call quantization's values
+      np.testing.assert_array_equal(
+          np.asarray(q.values(axis)),
+          np.asarray(quantize.fake_quantize(w, quantize.weight_block(recipe, axis), recipe)))
+
+
+def layer_loss(case, config, quantized, recipe=None):
+  """jit(value_and_grad) of sum(dy * y) w.r.t. (x, weights, w_gate, w_up, w_down, shared), the
+  expert weights passed as they are or through quantize_experts inside the loss."""
+
+  def loss(x, weights, w_gate, w_up, w_down, shared):
+    ws = (w_gate, w_up, w_down)
+    if quantized:
+      ws = mok_jax.quantize_experts(*ws, recipe=recipe or config.precision)
+    y = mok_jax.moe(x, case.experts, weights, *ws, shared=shared, config=config, backend="xla")
+    return jnp.sum(y.astype(jnp.float32) * case.dy), y
+
+  return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True))
+
+
+@pytest.mark.parametrize("recipe, Is", [("fp8", None), ("fp8", 128), ("mxfp8", 128)])
+def test_quantized_weights_give_the_bits_of_the_arrays(recipe, Is):
+  case = make_case(T=40, H=256, I=160, E=4, k=2, Is=Is, dtype=BF16, seed=4)
+  # Rows and columns of the expert weights at scales up to 2^10 apart, so that blocks along K
+  # and along N (mxfp8's two orientations) quantize them differently.
+  rng = np.random.default_rng(7)
+  spread = lambda w: (w * np.exp2(rng.integers(-5, 6, (*w.shape[:2], 1))) * np.exp2(  # noqa: E731
+      rng.integers(-5, 6, (w.shape[0], 1, w.shape[2])))).astype(BF16)
+  case = case._replace(w_gate=spread(case.w_gate), w_up=spread(case.w_up),
+                       w_down=spread(case.w_down))
+  config = mok_jax.Config(precision=recipe)
+  (_, y0), g0 = layer_loss(case, config, quantized=False)(*case.params())
+  (_, y1), g1 = layer_loss(case, config, quantized=True)(*case.params())
+  (_, y_bf16), _ = layer_loss(case, mok_jax.Config(), quantized=False)(*case.params())
+  assert not np.array_equal(np.asarray(y0, np.float32), np.asarray(y_bf16, np.float32))
+  assert_same_bits(y1, y0, "y")
+  g0, g1 = named_grads(case, g0), named_grads(case, g1)
+  assert set(g1) == set(GRAD_NAMES[:5] if Is is None else GRAD_NAMES)
+  for name in g0:
+    assert np.abs(np.asarray(g0[name], np.float32)).max() > 0, name
+    assert_same_bits(g1[name], g0[name], f"d{name}")
+
+
+def test_the_layer_reads_the_blocks_not_the_master():
+  case = make_case(T=16, H=128, I=128, E=2, k=1, dtype=BF16, seed=5)
+  config = mok_jax.Config(precision="fp8")
+  qs = mok_jax.quantize_experts(case.w_gate, case.w_up, case.w_down)
+  other = [dataclasses.replace(q, master=q.master * 3) for q in qs]
+  run = jax.jit(lambda *ws: mok_jax.moe(case.x, case.experts, case.weights, *ws, config=config))
+  assert_same_bits(run(*other), run(*qs), "y")
+  assert_same_bits(run(*qs), run(case.w_gate, case.w_up, case.w_down), "y")
+
+
+def stacked_case(L=2, T=16, H=128, I=96, E=4, k=2, seed=6):
+  rng = np.random.default_rng(seed)
+
+  def normal(*shape, fan_in=1):
+    return jnp.asarray(rng.standard_normal(shape) / np.sqrt(fan_in), BF16)
+
+  ws = (normal(L, E, H, I, fan_in=H), normal(L, E, H, I, fan_in=H), normal(L, E, I, H, fan_in=I))
+  experts = jnp.asarray(np.stack([distinct_experts(rng, T, k, E) for _ in range(L)]))
+  weights = jnp.asarray(rng.uniform(0.1, 1.0, (L, T, k)), jnp.float32)
+  return normal(T, H), experts, weights, ws
+
+
+@pytest.mark.parametrize("how", ["stacked", "in_body"])
+def test_quantized_weights_under_scan(how):
+  x, experts, weights, ws = stacked_case()
+  config = mok_jax.Config(precision="fp8")
+
+  def run(x, ws, quantize_how):
+    if quantize_how == "stacked":  # quantized pytrees stacked over the layers, scanned over
+      ws = jax.vmap(mok_jax.quantize_experts)(*ws)
+
+    def body(h, layer):
+      e, w, lw = layer
+      if quantize_how == "in_body":
+        lw = mok_jax.quantize_experts(*lw)
+      return h + mok_jax.moe(h, e, w, *lw, config=config, backend="xla"), None
+
+    h, _ = jax.lax.scan(body, x, (experts, weights, ws))
+    return jnp.sum(h.astype(jnp.float32) ** 2)
+
+  grad = jax.jit(jax.value_and_grad(run, argnums=(0, 1)), static_argnums=2)
+  want_loss, (want_dx, want_dws) = grad(x, ws, None)
+  loss, (dx, dws) = grad(x, ws, how)
+  assert_same_bits(loss, want_loss, "loss")
+  assert_same_bits(dx, want_dx, "dx")
+  for name, a, b in zip(("w_gate", "w_up", "w_down"), dws, want_dws):
+    assert a.shape == b.shape and np.abs(np.asarray(b, np.float32)).max() > 0, name
+    assert_same_bits(a, b, f"d{name}")
+
+
+def test_vmap_of_quantize_experts_is_per_layer():
+  _, _, _, ws = stacked_case(L=3, I=64)
+  for recipe in RECIPES:
+    stacked = jax.vmap(functools.partial(mok_jax.quantize_experts, recipe=recipe))(*ws)
+    for layer in range(3):
+      alone = mok_jax.quantize_experts(*(w[layer] for w in ws), recipe=recipe)
+      for s, a in zip(stacked, alone):
+        assert s.recipe == a.recipe == recipe
+        for leaf_s, leaf_a in zip(jax.tree.leaves(s), jax.tree.leaves(a)):
+          np.testing.assert_array_equal(u8(leaf_s[layer]), u8(leaf_a))
+
+
+def _replace_blocks(q, **kw):
+  return dataclasses.replace(q, blocks=q.blocks._replace(**kw))
+
+
+def _bad_moe_calls():
+  """(id, call(case, qs_fp8, qs_mx), exception, message) for calls of moe and quantize_experts
+  that must fail."""
+  fp8, mx, bf16 = (mok_jax.Config(precision=p) for p in ("fp8", "mxfp8", "bf16"))
+
+  def moe(case, ws, config=fp8, backend="xla", shared=None):
+    return mok_jax.moe(case.x, case.experts, case.weights, *ws, shared=shared, config=config,
+                       backend=backend)
+
+  return [
+      ("bf16_precision", lambda c, q, m: moe(c, q, bf16), ValueError,
+       r"quantized expert weights \(recipe 'fp8'\) need Config\(precision='fp8'\)"),
+      ("default_config", lambda c, q, m: moe(c, q, None), ValueError,
+       r"need Config\(precision='fp8'\)"),
+      ("fp8_weights_mxfp8_config", lambda c, q, m: moe(c, q, mx), ValueError,
+       r"w_gate was quantized with recipe 'fp8', but Config\(precision='mxfp8'\)"),
+      ("mxfp8_weights_fp8_config", lambda c, q, m: moe(c, m, fp8), ValueError,
+       r"quantized with recipe 'mxfp8', but Config\(precision='fp8'\); quantize with "
+       r"recipe='fp8'"),
+      ("mixed_recipes", lambda c, q, m: moe(c, (q[0], q[1], m[2])), ValueError,
+       r"w_down was quantized with recipe 'mxfp8'"),
+      ("ffi", lambda c, q, m: moe(c, q, backend="ffi"), ValueError,
+       r"quantized expert weights run on backend='xla' so far .*'ffi' has no FP8 kernels"),
+      ("cuda", lambda c, q, m: moe(c, q, backend="cuda"), ValueError,
+       r"backend='cuda' has no FP8 kernels"),
+      ("one_quantized", lambda c, q, m: moe(c, (q[0], c.w_up, c.w_down)), ValueError,
+       r"w_gate quantized but not w_up, w_down; pass all three"),
+      ("scale_shape", lambda c, q, m: moe(c, (_replace_blocks(q[0], scale=jnp.tile(
+          q[0].blocks.scale, (1, 2, 1))), q[1], q[2])), ValueError, r"w_gate's blocks must be "
+       r"e4m3 data .* f32 scales \(2, 1, 1\), got float8_e4m3fn \(2, 128, 128\) and float32 "
+       r"\(2, 2, 1\)"),
+      ("data_dtype", lambda c, q, m: moe(c, (q[0], _replace_blocks(q[1], data=q[1].blocks.data
+          .astype(BF16)), q[2])), ValueError, r"w_up's blocks must be e4m3 data"),
+      ("data_shape", lambda c, q, m: moe(c, (q[0], q[1], _replace_blocks(q[2], data=q[2].blocks
+          .data[:, :64]))), ValueError, r"w_down's blocks must be e4m3 data of its master's "
+       r"shape \(2, 128, 128\)"),
+      ("master_shape", lambda c, q, m: moe(c, tuple(dataclasses.replace(w, master=w.master[:1])
+                                                   for w in q)), ValueError,
+       r"blocks must be e4m3 data of its master's shape \(1, 128, 128\)"),
+      ("mxfp8_without_transpose", lambda c, q, m: moe(c, tuple(
+          dataclasses.replace(w, blocks_t=None) for w in m), mx), ValueError,
+       r"w_gate.blocks_t must be the blocks of W\^T for recipe 'mxfp8'"),
+      ("fp8_with_transpose", lambda c, q, m: moe(c, tuple(
+          dataclasses.replace(w, blocks_t=w.blocks) for w in q)), ValueError,
+       r"w_gate.blocks_t must be None for recipe 'fp8'"),
+      ("quantized_shared", lambda c, q, m: moe(c, q, shared=(q[0], c.w_up, c.w_down)),
+       ValueError, r"the shared expert takes arrays"),
+      ("master_dtype", lambda c, q, m: moe(c, mok_jax.quantize_experts(
+          *(w.astype(F32) for w in (c.w_gate, c.w_up, c.w_down)))), ValueError,
+       r"w_gate has dtype float32, x has bfloat16"),
+      ("recipe", lambda c, q, m: mok_jax.quantize_experts(c.w_gate, c.w_up, c.w_down,
+                                                          recipe="fp4"), ValueError,
+       r"quantize_experts: recipe must be one of \('fp8', 'mxfp8'\), got 'fp4'"),
+      ("shapes", lambda c, q, m: mok_jax.quantize_experts(c.w_gate, c.w_up, c.w_down[:, :64]),
+       ValueError, r"w_gate, w_up must be \(E, H, I\) and w_down \(E, I, H\); got "
+       r"\(2, 128, 128\), \(2, 128, 128\), \(2, 64, 128\)"),
+      ("rank", lambda c, q, m: mok_jax.quantize_experts(c.w_gate[0], c.w_up, c.w_down),
+       ValueError, r"w_gate must be a float array \(E, K, N\), got bfloat16 \(128, 128\)"),
+      ("int_weights", lambda c, q, m: mok_jax.quantize_experts(
+          c.w_gate, c.w_up.astype(jnp.int32), c.w_down), ValueError,
+       r"w_up must be a float array \(E, K, N\), got int32"),
+      ("twice", lambda c, q, m: mok_jax.quantize_experts(q[0], c.w_up, c.w_down), ValueError,
+       r"w_gate is quantized already; pass its master weight"),
+  ]
+
+
+@pytest.mark.parametrize("call, exception, message",
+                         [c[1:] for c in _bad_moe_calls()], ids=[c[0] for c in _bad_moe_calls()])
+def test_quantized_weight_errors(call, exception, message):
+  case = make_case(T=8, H=128, I=128, E=2, k=1, dtype=BF16)
+  qs = mok_jax.quantize_experts(case.w_gate, case.w_up, case.w_down)
+  mx = mok_jax.quantize_experts(case.w_gate, case.w_up, case.w_down, recipe="mxfp8")
+  with pytest.raises(exception, match=message):
+    call(case, qs, mx)
+  with pytest.raises(exception, match=message):  # and the same at trace time under jit
+    jax.jit(lambda q, m: call(case, q, m))(qs, mx)
+
+
+def _layer_by_hand(params, x, config, top_k, quantized):
+  """The layers' forward written out, the experts through quantize_experts or not."""
+  x2 = x.reshape(-1, x.shape[-1])
+  logits = jnp.dot(x2, params["router"], precision=jax.lax.Precision.HIGHEST)
+  experts, weights = mok_jax.route(logits, top_k)
+  cast = lambda n: params[n].astype(BF16)  # noqa: E731
+  ws = tuple(map(cast, ("w_gate", "w_up", "w_down")))
+  if quantized:
+    ws = mok_jax.quantize_experts(*ws, recipe=config.precision)
+  shared = tuple(map(cast, ("ws_gate", "ws_up", "ws_down")))
+  y = mok_jax.moe(x2.astype(BF16), experts, weights, *ws, shared=shared, config=config,
+                  backend="xla")
+  return y.reshape(x.shape)
+
+
+@pytest.mark.parametrize("framework", ["flax", "equinox"])
+def test_layers_with_fp8(framework):
+  """The layers keep f32 master weights and quantize them in each call: the bits of
+  quantize_experts on them, in y and in the parameters' gradients."""
+  opts = dict(hidden_size=128, intermediate_size=64, num_experts=4, top_k=2,
+              shared_intermediate_size=32, dtype=jnp.bfloat16, backend="xla",
+              config=mok_jax.Config(precision="fp8"))
+  x = jax.random.normal(jax.random.key(1), (2, 12, 128), jnp.float32)
+  ct = jax.random.normal(jax.random.key(2), (2, 12, 128), jnp.float32)
+  names = ("router", "w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down")
+  if framework == "flax":
+    nnx = pytest.importorskip("flax.nnx")
+    from mok_jax.nn.flax import MoE
+    moe = MoE(**opts, rngs=nnx.Rngs(0))
+    params = {n: getattr(moe, n)[...] for n in names}
+    y, grads = nnx.jit(lambda m: nnx.value_and_grad(
+        lambda m: jnp.sum(m(x)[0].astype(jnp.float32) * ct))(m))(moe)
+    grads = {n: grads[n][...] for n in names}
+  else:
+    eqx = pytest.importorskip("equinox")
+    from mok_jax.nn.equinox import MoE
+    moe = MoE(**opts, key=jax.random.key(0))
+    params = {n: getattr(moe, n) for n in names}
+    y, grads = eqx.filter_jit(eqx.filter_value_and_grad(
+        lambda m: jnp.sum(m(x)[0].astype(jnp.float32) * ct)))(moe)
+    grads = {n: getattr(grads, n) for n in names}
+
+  def by_hand(params, quantized, config=opts["config"]):
+    y = _layer_by_hand(params, x, config, opts["top_k"], quantized)
+    return jnp.sum(y.astype(jnp.float32) * ct)
+
+  for quantized in (False, True):
+    want_y, want = jax.jit(jax.value_and_grad(by_hand), static_argnums=1)(params, quantized)
+    assert_same_bits(y, want_y, f"loss, quantized={quantized}")
+    for n in names:
+      assert np.abs(np.asarray(want[n])).max() > 0, n
+      assert_same_bits(grads[n], want[n], f"d{n}, quantized={quantized}")
+  bf16_y = jax.jit(by_hand, static_argnums=(1, 2))(params, False, mok_jax.Config())
+  assert not np.array_equal(np.asarray(bf16_y), np.asarray(y))  # the products were quantized
+
+
+def test_quantized_weights_under_expert_parallelism():
+  """Quantized expert stacks split over the ranks like the arrays (every leaf on its expert
+  axis): the bits of the arrays with the same precision under the same sharding."""
+  case = make_case(T=24, H=128, I=128, E=8, k=3, Is=None, dtype=BF16, seed=8)
+  config = mok_jax.Config(precision="fp8")
+  mesh, experts = mesh_of(4), jnp.asarray(case.experts)
+
+  def layer(x, experts, weights, w_gate, w_up, w_down):
+    return mok_jax.moe(x, experts, weights, w_gate, w_up, w_down, axis_name="ep", config=config,
+                       backend="xla")
+
+  sharded = jax.shard_map(layer, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+
+  def loss(x, weights, w_gate, w_up, w_down, quantized):
+    ws = (w_gate, w_up, w_down)
+    if quantized:
+      ws = mok_jax.quantize_experts(*ws)
+    return jnp.sum(sharded(x, experts, weights, *ws).astype(jnp.float32) * case.dy)
+
+  grad = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(5))), static_argnums=5)
+  args = (case.x, case.weights, case.w_gate, case.w_up, case.w_down)
+  want_loss, want = grad(*args, False)
+  got_loss, got = grad(*args, True)
+  assert_same_bits(got_loss, want_loss, "loss")
+  for name, a, b in zip(GRAD_NAMES, got, want):
+    assert np.abs(np.asarray(b, np.float32)).max() > 0, name
+    assert_same_bits(a, b, f"d{name}")
