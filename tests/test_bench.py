@@ -200,7 +200,7 @@ def test_worker_error_becomes_an_error_row(tmp_path):
   events = runner.execute(opts, job, "bad")
   assert (tmp_path / "bad.log").exists()  # a worker ran it
   assert [e["record"]["status"] for e in events] == ["error", "error"]
-  assert all("T must be a positive int" in e["record"]["reason"] for e in events)
+  assert all("T must be an int >= 1" in e["record"]["reason"] for e in events)
 
 
 # A stand-in worker: `python -c FAKE_WORKER JOB.json EVENTS.jsonl`; per mode, BEHAVIOUR (set
@@ -304,7 +304,7 @@ def test_flops(mode, factor):
 
 
 @pytest.mark.parametrize("text,error", [("1,2,3,4", "five"), ("1,2,3,4,x", "five"),
-                                        ("8,8,8,2,4", "exceeds"), ("0,8,8,2,1", "positive")])
+                                        ("8,8,8,2,4", "exceeds"), ("0,8,8,2,1", "int >= 1")])
 def test_bad_shape(text, error):
   with pytest.raises(ValueError, match=error):
     shapes.parse_shape(text)

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import mok_jax
+
 MASK32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B1
 FMIX = (0x85EBCA6B, 0xC2B2AE35)
@@ -80,11 +82,7 @@ def uniform(dims: tuple, salt_: int, width: float, dtype):
   return _uniform(tuple(dims), dtype, jnp.uint32(salt_), jnp.float32(width))
 
 
-@functools.lru_cache(maxsize=None)
-def _route_fn(k: int):
-  import mok_jax  # pylint: disable=import-outside-toplevel
-
-  return jax.jit(lambda logits: mok_jax.route(logits, k))
+_route = jax.jit(mok_jax.route, static_argnums=1)
 
 
 def routing(T: int, E: int, k: int, seed: int, skew: float) -> tuple[np.ndarray, np.ndarray]:
@@ -98,11 +96,11 @@ def routing(T: int, E: int, k: int, seed: int, skew: float) -> tuple[np.ndarray,
   except RuntimeError:  # JAX_PLATFORMS without cpu
     cpu = None
   with jax.default_device(cpu):
-    experts, weights = _route_fn(k)(logits.astype(np.float32))
+    experts, weights = _route(logits.astype(np.float32), k)
     return np.asarray(experts), np.asarray(weights)
 
 
-def load_stats(experts: np.ndarray, E: int) -> dict:
+def load_stats(experts, E: int) -> dict:
   counts = np.bincount(np.asarray(experts).reshape(-1), minlength=E)[:E]
   mean = counts.mean()
   return {"max_over_mean": round(float(counts.max() / mean), 4) if mean else 0.0,

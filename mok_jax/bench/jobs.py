@@ -1,16 +1,15 @@
-"""A job of the benchmark: the dense-matmul peak, or one implementation's modes on one shape.
+"""A job: the dense-matmul peak, or one implementation's modes on one shape.
 
-`python -m mok_jax.bench.jobs JOB.json EVENTS.jsonl` runs it in a fresh process and appends
-each event to EVENTS.jsonl, flushed, as it happens: the runner applies its timeout to each mode
-on its own and keeps the modes that finished when a later one hangs or kills the process. A
-fresh process gives a job its own peak-memory counter (JAX cannot reset one), confines a crash
-or a poisoned CUDA context to its own modes, and keeps PyTorch off JAX's preallocated pool.
+`python -m mok_jax.bench.jobs JOB.json EVENTS.jsonl` runs one in a fresh process, appending
+each event, flushed, as it happens, so that the runner times out each mode on its own and keeps
+the modes done when a later one hangs or kills the process. A fresh process gives a job its own
+peak-memory counter (JAX cannot reset one), keeps a crash or a poisoned CUDA context to its own
+modes, and PyTorch off JAX's preallocated pool.
 
-A job: kind ("peak" | "moe"), impl, shape (Shape's fields), modes, dtype, seed, skew, ep and the
-timing knobs (sets, warmup, warmup_s, reps, min_reps, budget_s, peak_n, peak_warmup_s). Events:
-stages, and one record a mode, in order: mode, status ("ok", "oom", "error", "unavailable"),
-reason; when ok ms, timing, compile_s, check (the outputs' checksums), peak_mem_bytes, gpu and
-the back-to-back figures (records.back_to_back).
+A job: kind ("peak" | "moe"), impl, shape (Shape's fields), modes, and runner.Options.knobs.
+Events: stages, and a record a mode, in order: mode, status ("ok", "oom", "error",
+"unavailable"), reason; when ok ms, timing, compile_s, check, peak_mem_bytes, gpu, and the
+back-to-back ms_b2b, timing_b2b, gpu_b2b (records.measure).
 """
 
 from __future__ import annotations
@@ -26,8 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from mok_jax.bench import clocks, inputs, peers, timing
-from mok_jax.bench.records import (CHECK_NAMES, back_to_back, env_vars, failed, failure,
-                                   finite_or_text, resolve_dtype, stage, timed)
+from mok_jax.bench.records import env_vars, failed, failure, measure, resolve_dtype, stage
 from mok_jax.bench.shapes import Shape
 
 PEAK_N_GPU, PEAK_N_CPU = 8192, 1024  # 8192^3 saturates an H100/H200 (1.4 ms in bf16)
@@ -39,7 +37,7 @@ def _record(raw: dict, device: dict | None) -> dict:
 
 
 def iter_job(job: dict):
-  """The job's events as they happen; every mode gets one record unless the process dies."""
+  """The job's events as they happen; every mode gets a record unless the process dies."""
   start, done = time.perf_counter(), []
   try:
     if job["impl"] == "torch._grouped_mm" and job["ep"] > 1:
@@ -75,9 +73,8 @@ def _peak_bytes():
 
 
 def _peak(job: dict):
-  """Dense n^3 jnp.dot in the run's dtype, the ceiling of % peak: N(0, 1) inputs (all-zero
-  operands would draw less power and clock higher than any real GEMM), back to back after
-  peak_warmup_s seconds of the same."""
+  """n^3 jnp.dot, back to back: the ceiling of % peak. N(0, 1) inputs: all-zero operands would
+  draw less power and clock higher than any real GEMM."""
   device = _device()
   dtype = resolve_dtype(job["dtype"], device["platform"])
   n = job["peak_n"] or (PEAK_N_GPU if device["platform"] == "gpu" else PEAK_N_CPU)
@@ -87,8 +84,8 @@ def _peak(job: dict):
     yield stage("dense", "building inputs")
     keys = jax.random.split(jax.random.key(job["seed"]), 2 * job["sets"])
     make = jax.jit(lambda key: jax.random.normal(key, (n, n), jnp.float32).astype(JNP[dtype]))
-    pairs = jax.block_until_ready([(make(keys[2 * i]), make(keys[2 * i + 1]))
-                                   for i in range(job["sets"])])
+    pairs = jax.block_until_ready([(make(keys[i]), make(keys[i + 1]))
+                                   for i in range(0, len(keys), 2)])
     yield stage("dense", "compiling")
     t0 = time.perf_counter()
     compiled = jax.jit(jnp.dot).lower(*pairs[0]).compile()
@@ -106,9 +103,8 @@ def _peak(job: dict):
 
 
 def ep_bytes(shape: Shape, ep: int, b: int) -> dict:
-  """Bytes one device sends the others a call under --ep (dropless blocks of T k rows to each):
-  the forward token rows, ids and weights out and route outputs back; the backward dy out, dx
-  and dweights back."""
+  """Bytes a device sends the others a call under --ep (dropless blocks of T k rows to each):
+  token rows, ids and weights out and route outputs back; then dy out, dx and dweights back."""
   rows = (ep - 1) * shape.T * shape.k
   fwd = rows * (2 * shape.H * b + 8)
   return {"fwd": fwd, "fwd+bwd": fwd + rows * (2 * shape.H * b + 4)}
@@ -122,9 +118,8 @@ def _moe(job: dict):
   try:
     layer, note = peers.jax_layer(job["impl"], shape, JNP[dtype], ep)
     yield stage(modes[0], "building inputs")
-    # Under --ep the shape's T is per device.
     params, sets = inputs.jax_inputs(dataclasses.replace(shape, T=shape.T * ep), JNP[dtype],
-                                     job["seed"], job["skew"], job["sets"])
+                                     job["seed"], job["skew"], job["sets"])  # T per device
   except peers.Unavailable as exc:
     yield from (_record(r, device) for r in failed(modes, "unavailable", str(exc), **common))
     return
@@ -133,14 +128,15 @@ def _moe(job: dict):
     common["ep_bytes"] = ep_bytes(shape, ep, jnp.dtype(JNP[dtype]).itemsize)
   for mode in modes:
     record = dict(mode=mode, note=note.get(mode) if isinstance(note, dict) else note, **common)
-    record.update((yield from _time_mode(job, layer, params, sets, mode)))
+    record.update((yield from measure(mode, job, lambda: _compiled(layer, mode, params, sets),
+                                      jax.block_until_ready, _abs_sums, _peak_bytes)))
     record.setdefault("peak_mem_bytes", _peak_bytes())  # a failed mode: the peak as it stands
     gc.collect()
     yield _record(record, device)
 
 
-def _time_mode(job, layer, params, sets, mode):
-  """Yields stage events; returns the mode's figures or its failure."""
+def _compiled(layer, mode: str, params, sets):
+  """(call(i): the mode's compiled step on input set i, the compile's seconds)."""
 
   def step(x, experts, weights, dy, *w):
     f = lambda x, weights, *w: layer(x, experts, weights, *w)
@@ -149,58 +145,28 @@ def _time_mode(job, layer, params, sets, mode):
     y, pull = jax.vjp(f, x, weights, *w)
     return y, pull(dy)
 
-  try:
-    yield stage(mode, "compiling")
-    t0 = time.perf_counter()
-    compiled = jax.jit(step).lower(*sets[0], *params).compile()
-    compile_s = time.perf_counter() - t0
-    yield stage(mode, "first call")
-    t0 = time.perf_counter()
-    first = jax.block_until_ready(compiled(*sets[0], *params))
-    first_s = time.perf_counter() - t0
-    check = _checksums(first, mode)
-    del first
-    yield stage(mode, f"warm-up and timing (first call {first_s * 1e3:.1f} ms)")
-    call = lambda i: compiled(*sets[i], *params)
-    seconds, how, gpu = timed(timing.wall_clock(call, jax.block_until_ready), job, first_s)
-    peak = _peak_bytes()  # before the back-to-back calls, which hold two calls' buffers
-    yield stage(mode, "back-to-back timing")
-    b2b = back_to_back(call, jax.block_until_ready, job)
-  except Exception as exc:  # pylint: disable=broad-except
-    return failure(exc)
-  return {"status": "ok", "ms": timing.summarize(seconds), "timing": how,
-          "compile_s": compile_s, "check": check, "peak_mem_bytes": peak, **gpu, **b2b}
+  t0 = time.perf_counter()
+  compiled = jax.jit(step).lower(*sets[0], *params).compile()
+  return (lambda i: compiled(*sets[i], *params)), time.perf_counter() - t0
 
 
-def _checksums(out, mode) -> dict:
-  """sum |.| in f32 of the output and every gradient, which the report compares across
-  implementations; one jitted reduction each, so no f32 copy of a gradient is made."""
-  sums = jax.jit(lambda t: jax.tree.map(lambda a: jnp.sum(jnp.abs(a.astype(jnp.float32))), t))(
-      out)
-  if mode == "fwd":
-    return {"y": finite_or_text(float(sums))}
-  y, (*grads, dshared) = sums
-  named = dict(zip(CHECK_NAMES, (y, *grads)))
-  if dshared is not None:
-    named["dws"] = sum(dshared)
-  return {name: finite_or_text(float(value)) for name, value in named.items()}
+# sum |.| in f32, one jitted reduction an array: no f32 copy of a gradient is made.
+_abs_sums = jax.jit(lambda out: [jnp.sum(jnp.abs(a.astype(jnp.float32)))
+                                 for a in jax.tree.leaves(out)])
 
 
 def main(argv: list[str]) -> int:
-  if len(argv) != 2:
-    print("usage: python -m mok_jax.bench.jobs JOB.json EVENTS.jsonl", file=sys.stderr)
-    return 2
-  with open(argv[0]) as f:
+  job_path, events_path = argv
+  with open(job_path) as f:
     job = json.load(f)
   start = time.perf_counter()
-  with open(argv[1], "a") as out:
+  with open(events_path, "a") as out:
     for event in iter_job(job):
-      out.write(json.dumps(event) + "\n")
-      out.flush()
+      print(json.dumps(event), file=out, flush=True)
       record = event.get("record") or {}
-      what = event.get("stage") or f"{record.get('status')} {record.get('reason') or ''}"
-      print(f"[{time.perf_counter() - start:7.1f} s] {event.get('mode') or record.get('mode')}: "
-            f"{what}", flush=True)
+      print(f"[{time.perf_counter() - start:7.1f} s] {event.get('mode') or record['mode']}: "
+            f"{event.get('stage') or record['status'] + ' ' + record.get('reason', '')}",
+            flush=True)
   return 0
 
 

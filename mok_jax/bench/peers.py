@@ -9,9 +9,12 @@ cannot run here, which the benchmark reports in its row.
 
 from __future__ import annotations
 
-import functools
+import jax
+from jax.sharding import AxisType, PartitionSpec
 
-from mok_jax.bench.records import describe_exception
+import mok_jax
+from mok_jax import expert_parallel, ops, reference
+from mok_jax.bench.records import failure
 
 # name -> the chart's label; the order is the table's and the chart's.
 IMPLS = {"mok_jax:cuda": "mok_jax cuda", "mok_jax:xla": "mok_jax xla",
@@ -55,10 +58,6 @@ def resolve(names: str, platform: str) -> list[str]:
 def jax_layer(name: str, shape, dtype, ep: int = 1):
   """(layer, note) or raises Unavailable; note is None, a text, or texts by mode. ep > 1:
   mok_jax's layer in shard_map over the first ep devices, tokens and experts split."""
-  import jax  # pylint: disable=import-outside-toplevel
-
-  import mok_jax  # pylint: disable=import-outside-toplevel
-  from mok_jax import expert_parallel, ops  # pylint: disable=import-outside-toplevel
 
   if name.startswith("mok_jax:"):
     backend, platform = name.split(":", 1)[1], jax.default_backend()
@@ -96,9 +95,6 @@ def jax_layer(name: str, shape, dtype, ep: int = 1):
 
 
 def _expert_parallel(layer, shape, ep: int):
-  import jax  # pylint: disable=import-outside-toplevel
-  from jax.sharding import AxisType, PartitionSpec  # pylint: disable=import-outside-toplevel
-
   if len(jax.devices()) < ep:
     raise Unavailable(f"--ep {ep} needs {ep} devices, found {len(jax.devices())}")
   if shape.E % ep:
@@ -130,26 +126,15 @@ def _operand_dtype_out(grouped):
 
 def _tokamax(shape, dtype):
   """tokamax.ragged_dot as a user calls it (tokamax picks), and a note naming what it picks for
-  the gate/up product, found as tokamax finds it: the first default that lowers."""
+  the gate/up product, found as tokamax finds it: the first of its defaults that lowers."""
+
+
   try:
     import tokamax  # pylint: disable=import-outside-toplevel
   except Exception as exc:  # pylint: disable=broad-except  # SyntaxError on Python < 3.12, ...
-    raise Unavailable(f"import tokamax failed: {describe_exception(exc)}") from None
-  grouped = getattr(tokamax, "ragged_dot", None)
-  if grouped is None:
+    raise Unavailable(f"import tokamax failed: {failure(exc)['reason']}") from None
+  if not hasattr(tokamax, "ragged_dot"):
     raise Unavailable(f"tokamax {getattr(tokamax, '__version__', '?')} has no ragged_dot")
-  try:
-    return grouped, _tokamax_pick(grouped, shape, dtype)
-  except Exception as exc:  # pylint: disable=broad-except
-    return grouped, f"could not tell which tokamax implementation runs: {describe_exception(exc)}"
-
-
-def _tokamax_pick(grouped, shape, dtype) -> str:
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-
-  from mok_jax import reference  # pylint: disable=import-outside-toplevel
-
   try:
     from tokamax._src.ops.ragged_dot import api  # pylint: disable=import-outside-toplevel
     order = tuple(api._DEFAULT_IMPLEMENTATIONS)  # pylint: disable=protected-access
@@ -157,19 +142,21 @@ def _tokamax_pick(grouped, shape, dtype) -> str:
     order = ("mosaic", "triton", "xla")
   sds = jax.ShapeDtypeStruct
   args = (sds((shape.T * shape.k, shape.H), dtype), sds((shape.E, shape.H, shape.I), dtype),
-          sds((shape.E,), jnp.int32))
+          sds((shape.E,), "int32"))
+  precision = reference._precision(dtype)  # pylint: disable=protected-access  # the layer's
   skipped = []
   for impl in order:
-    # As the layer calls it: reference's precision, the product in the operands' dtype.
-    call = functools.partial(grouped, precision=reference._precision(dtype),  # pylint: disable=protected-access
-                             implementation=impl, bypass_device_check=False)
+    def probe(a, b, g, impl=impl):
+      return tokamax.ragged_dot(a, b, group_sizes=g, precision=precision, implementation=impl,
+                                bypass_device_check=False)
     try:
-      jax.jit(lambda a, b, g, call=call: call(a, b, group_sizes=g)).lower(*args)
+      jax.jit(probe).lower(*args)
     except NotImplementedError as exc:
-      skipped.append(f"{impl}: {describe_exception(exc, 120)}")
+      skipped.append(f"{impl}: {failure(exc, 120)['reason']}")
       continue
     except Exception as exc:  # pylint: disable=broad-except
-      return f"tokamax implementation {impl!r} fails to lower: {describe_exception(exc, 200)}"
-    return f"tokamax fell back to {impl!r} ({'; '.join(skipped)})" if skipped else (
-        f"tokamax implementation {impl!r}")
-  return "no tokamax implementation lowers: " + "; ".join(skipped)
+      return tokamax.ragged_dot, (f"tokamax implementation {impl!r} fails to lower: "
+                                  f"{failure(exc, 200)['reason']}")
+    return tokamax.ragged_dot, (f"tokamax fell back to {impl!r} ({'; '.join(skipped)})"
+                                if skipped else f"tokamax implementation {impl!r}")
+  return tokamax.ragged_dot, "no tokamax implementation lowers: " + "; ".join(skipped)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 
 from mok_jax.bench import clocks, timing
 
@@ -29,24 +30,19 @@ def env_vars() -> dict:
   return {k: os.environ[k] for k in ENV_VARS if k in os.environ}
 
 
-def finite_or_text(value: float):
-  """JSON has no NaN or inf: those stay text, so that the file stays standard JSON."""
-  return value if math.isfinite(value) else str(value)
+def checks(sums) -> dict:
+  """The sum |.| of the output, then of each gradient, by CHECK_NAMES; NaN and inf as text,
+  which JSON has no number for."""
+  sums = [float(v) for v in sums]
+  named = dict(zip(CHECK_NAMES, sums), **({"dws": sum(sums[6:])} if sums[6:] else {}))
+  return {name: v if math.isfinite(v) else str(v) for name, v in named.items()}
 
 
-def describe_exception(exc: BaseException, limit: int = 400) -> str:
+def failure(exc: BaseException, limit: int = 400) -> dict:
   text = " ".join(f"{type(exc).__name__}: {exc}".split())
-  return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def failure_status(exc: BaseException) -> str:
-  text = f"{type(exc).__name__} {exc}"
-  oom = "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower() or "OutOfMemory" in text
-  return "oom" if oom else "error"
-
-
-def failure(exc: BaseException, prefix: str = "") -> dict:
-  return {"status": failure_status(exc), "reason": prefix + describe_exception(exc)}
+  oom = "RESOURCE_EXHAUSTED" in text or "OutOfMemory" in text or "out of memory" in text.lower()
+  return {"status": "oom" if oom else "error",
+          "reason": text if len(text) <= limit else text[:limit - 3] + "..."}
 
 
 def failed(modes, status: str, reason: str, **extra) -> list[dict]:
@@ -68,6 +64,35 @@ def timed(run_once, job: dict, prior_s: float) -> tuple[list[float], dict, dict]
   return seconds, how, gpu
 
 
+def measure(mode: str, job: dict, prepare, sync, sums, peak_bytes, run_once=None):
+  """Yields stage events; returns the mode's figures or its failure. prepare() -> (call,
+  compile_s or None): call(i) runs input set i, sync(out) waits for that call alone. A first
+  call, checksummed (sums(out): records.checks' values), the timing a synchronised call at a
+  time (run_once; by default the host's clock around call and sync), the peak memory, then back
+  to back, which holds two calls' buffers."""
+  try:
+    yield stage(mode, "compiling")
+    call, compile_s = prepare()
+    yield stage(mode, "first call")
+    t0 = time.perf_counter()
+    first = call(0)
+    sync(first)
+    first_s = time.perf_counter() - t0
+    check = checks(sums(first))
+    del first
+    yield stage(mode, f"warm-up and timing (first call {first_s * 1e3:.1f} ms)")
+    seconds, how, gpu = timed(run_once or timing.wall_clock(call, sync), job, first_s)
+    peak = peak_bytes()
+    yield stage(mode, "back-to-back timing")
+    b2b = back_to_back(call, sync, job)
+  except Exception as exc:  # pylint: disable=broad-except
+    return failure(exc)
+  # Without a compile (eager PyTorch), compile_s is the first call's (kernels, cuBLAS setup).
+  return {"status": "ok", "ms": timing.summarize(seconds), "timing": how,
+          "compile_s": first_s if compile_s is None else compile_s, "check": check,
+          "peak_mem_bytes": peak, **gpu, **b2b}
+
+
 def back_to_back(call, sync, job: dict) -> dict:
   """The mode's call timed as the dense peak is (timing.batched), after its one synchronised
   call at a time: the per-call figure includes the framework's dispatch and sync latency, which
@@ -84,5 +109,5 @@ def back_to_back(call, sync, job: dict) -> dict:
                                     budget_s=job["budget_s"] / 2, sample_s=B2B_SAMPLE_S,
                                     max_in_flight=2, on_timed=mark)
   except Exception as exc:  # pylint: disable=broad-except
-    return {"b2b_status": failure_status(exc), "b2b_reason": describe_exception(exc)}
+    return {f"b2b_{key}": value for key, value in failure(exc).items()}
   return {"ms_b2b": timing.summarize(seconds), "timing_b2b": how, **found}

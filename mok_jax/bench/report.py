@@ -1,6 +1,6 @@
-"""Derived figures (TFLOP/s, % of the measured peak, speed-up over the best peer, checksum
-agreement, joules a call), the text table, the JSON lines and the PNG chart. Derived figures are
-computed whenever records are reported, so that `--report FILE` can show a file again.
+"""Derived figures (TFLOP/s, % of the run's dense peak, speed-up over the best peer, checksum
+agreement, joules a call), the table, the JSON lines and the chart. Figures are derived whenever
+records are reported, so that `--report FILE` shows any file of records again.
 """
 
 from __future__ import annotations
@@ -12,12 +12,14 @@ import os
 from mok_jax.bench.peers import IMPLS
 from mok_jax.bench.shapes import MODES
 
-# Relative tolerance of the sum |.| checksums against the reference implementation's: the
-# frameworks round a little differently (torch rounds g and u to bf16), so this catches wrong
+# The frameworks round a little differently (torch rounds g and u to bf16): this catches wrong
 # results, not rounding.
 CHECK_TOL = {"bf16": 2e-2, "f32": 1e-3}
 REFERENCE_ORDER = ("mok_jax:xla", "jax.ragged_dot", "tokamax.ragged_dot", "torch._grouped_mm")
 STATUS_TEXT = {"oom": "out of memory", "unavailable": "n/a"}
+COLUMNS = (("  impl", 24), ("median ms", 10), ("min-max ms", 25), ("TF/s", 8), ("b2b ms", 8),
+           ("b2b TF/s", 8), ("b2b MHz", 7), ("b2b J", 7), ("% peak", 7), ("vs peer", 8),
+           ("mem GiB", 8), ("compile s", 9))
 
 
 def read_jsonl(path: str) -> list[dict]:
@@ -38,13 +40,12 @@ def case_key(r: dict) -> tuple:
 
 
 def latest(records: list[dict]) -> list[dict]:
-  """The newest record of each case and implementation, and of each device's peak, in
-  first-seen order: for a file that several runs' records were put together in."""
+  """The newest record of each case and implementation, and of each device's peak."""
   keep: dict[tuple, dict] = {}
   for r in records:
     key = (("peak", r.get("device"), r.get("dtype")) if r.get("kind") == "peak"
            else (case_key(r), r.get("impl")))
-    if key not in keep or (r.get("date") or "") >= (keep[key].get("date") or ""):
+    if (r.get("date") or "") >= (keep.get(key, {}).get("date") or ""):
       keep.pop(key, None)
       keep[key] = r
   return list(keep.values())
@@ -63,52 +64,42 @@ def joules_a_call(gpu: dict | None, how: dict | None) -> float | None:
 def derive(records: list[dict]) -> list[dict]:
   """Copies with tflops(_b2b), j_per_call(_b2b), peak_tflops, pct_of_peak, best_peer,
   speedup_vs_best_peer, check_vs and check_result."""
-  out = [dict(r) for r in records]
-  peaks = {}
-  for r in out:
-    if r.get("kind") == "peak" and r.get("status") == "ok":
-      r["tflops"] = peaks[r.get("run_id"), r.get("dtype")] = peaks[r.get("dtype")] = tflops(
-          r["flops"], r["ms"]["median"])
-  cases: dict[tuple, list[dict]] = {}
-  for r in out:
-    if r.get("kind") == "moe" and r.get("status") == "ok":
-      cases.setdefault(case_key(r), []).append(r)
-      r["tflops"] = tflops(r["flops"], r["ms"]["median"])
-      if r.get("ms_b2b"):
-        r["tflops_b2b"] = tflops(r["flops"], r["ms_b2b"]["median"])
-      for suffix in ("", "_b2b"):
-        if (j := joules_a_call(r.get("gpu" + suffix), r.get("timing" + suffix))) is not None:
-          r["j_per_call" + suffix] = j
-      peak = peaks.get((r.get("run_id"), r.get("dtype")), peaks.get(r.get("dtype")))
-      r["peak_tflops"], r["pct_of_peak"] = peak, 100.0 * r["tflops"] / peak if peak else None
+  out, peaks, cases = [dict(r) for r in records], {}, {}
+  for r in (r for r in out if r.get("kind") == "peak" and r.get("status") == "ok"):
+    r["tflops"] = peaks[r.get("run_id"), r.get("dtype")] = peaks[r.get("dtype")] = tflops(
+        r["flops"], r["ms"]["median"])
+  for r in (r for r in out if r.get("kind") == "moe" and r.get("status") == "ok"):
+    cases.setdefault(case_key(r), []).append(r)
+    r["tflops"] = tflops(r["flops"], r["ms"]["median"])
+    if r.get("ms_b2b"):
+      r["tflops_b2b"] = tflops(r["flops"], r["ms_b2b"]["median"])
+    for suffix in ("", "_b2b"):
+      if (joules := joules_a_call(r.get("gpu" + suffix), r.get("timing" + suffix))) is not None:
+        r["j_per_call" + suffix] = joules
+    peak = r["peak_tflops"] = peaks.get((r.get("run_id"), r.get("dtype")), peaks.get(r["dtype"]))
+    r["pct_of_peak"] = 100.0 * r["tflops"] / peak if peak else None
   for ok in cases.values():
     best = min((r for r in ok if r.get("group") == "peer"), key=lambda r: r["ms"]["median"],
                default=None)
+    by_impl = {r["impl"]: r for r in ok if isinstance(r.get("check"), dict)}
+    ref = next((by_impl[name] for name in REFERENCE_ORDER if name in by_impl), None)
     for r in ok:
       r["best_peer"] = best and best["impl"]
       r["speedup_vs_best_peer"] = best and best["ms"]["median"] / r["ms"]["median"]
-    _check(ok)
+      r["check_vs"], r["check_result"] = None, "reference" if r is ref else None
+      if ref is not None and r is not ref and r["impl"] in by_impl:
+        bad = [_differs(name, r["check"].get(name), want, CHECK_TOL.get(r.get("dtype"), 2e-2))
+               for name, want in ref["check"].items()]
+        r["check_vs"] = ref["impl"]
+        r["check_result"] = "mismatch: " + ", ".join(filter(None, bad)) if any(bad) else "ok"
   return out
 
 
-def _check(ok: list[dict]):
-  by_impl = {r["impl"]: r for r in ok if isinstance(r.get("check"), dict)}
-  ref = next((by_impl[name] for name in REFERENCE_ORDER if name in by_impl), None)
-  for r in ok:
-    r["check_vs"] = None if r is ref or ref is None or r["impl"] not in by_impl else ref["impl"]
-    r["check_result"] = "reference" if r is ref else None
-    if r["check_vs"] is None:
-      continue
-    bad = []
-    for name, want in ref["check"].items():
-      got = r["check"].get(name)
-      if isinstance(got, (int, float)) and isinstance(want, (int, float)):
-        rel = abs(got - want) / max(abs(want), 1e-30)
-        if rel > CHECK_TOL.get(r.get("dtype"), 2e-2):
-          bad.append(f"{name} off by {rel:.2g}")
-      elif got is not None and got != want:  # "nan", "inf"
-        bad.append(f"{name} {got} vs {want}")
-    r["check_result"] = "mismatch: " + ", ".join(bad) if bad else "ok"
+def _differs(name, got, want, tol) -> str | None:
+  if isinstance(got, (int, float)) and isinstance(want, (int, float)):
+    rel = abs(got - want) / max(abs(want), 1e-30)
+    return f"{name} off by {rel:.2g}" if rel > tol else None
+  return f"{name} {got} vs {want}" if got is not None and got != want else None  # "nan", "inf"
 
 
 def _ms(ms: float) -> str:
@@ -121,15 +112,15 @@ def _tf(tf: float) -> str:
 
 def _header(records: list[dict]) -> list[str]:
   first = next((r for r in records if r.get("kind") == "moe"), records[0])
-  versions = first.get("versions") or {}
-  shown = ", ".join(f"{name} {versions[name]}" for name in
-                    ("jax", "jaxlib", "jax-cuda13-plugin", "tokamax", "torch") if versions.get(name))
-  ep = first.get("ep") or 1
+  versions, ep = first.get("versions") or {}, first.get("ep") or 1
   lines = [f"MoE layer benchmark (mok_jax.bench) on {first.get('device') or '?'} "
            f"({first.get('platform') or '?'}), {first.get('dtype')}, routing "
-           f"{'Zipf skew ' + str(first['skew']) if first.get('skew') else 'uniform'}"
+           + (f"Zipf skew {first['skew']}" if first.get("skew") else "uniform")
            + (f", expert parallelism over {ep} devices (T and TF/s per device)" if ep > 1 else ""),
-           f"{first.get('date')}  run {first.get('run_id')}  commit {first.get('commit')}  {shown}"]
+           f"{first.get('date')}  run {first.get('run_id')}  commit {first.get('commit')}  "
+           + ", ".join(f"{name} {versions[name]}" for name in
+                       ("jax", "jaxlib", "jax-cuda13-plugin", "tokamax", "torch")
+                       if versions.get(name))]
   for r in (r for r in records if r.get("kind") == "peak"):
     if r.get("status") != "ok":
       lines.append(f"dense matmul peak: {r.get('status')} ({r.get('reason')})")
@@ -153,6 +144,32 @@ def _header(records: list[dict]) -> list[str]:
       "call (eager PyTorch)"]
 
 
+def _cells(r: dict, what: str, note) -> tuple:
+  """A record's cells after its impl's."""
+  if r.get("status") != "ok":
+    status = STATUS_TEXT.get(r.get("status"), r.get("status") or "?")
+    return (f"{status} {note(r['reason'])}" if r.get("reason") else status,)
+  ms, check, mem = r["ms"], r.get("check_result") or "", r.get("peak_mem_bytes")
+  median = _ms(ms["median"])
+  if check.startswith("mismatch"):
+    median += " !" + note(f"{what}: output checksums disagree with {r['check_vs']}: {check}")
+  spread = f"{_ms(ms['min'])}-{_ms(ms['max'])}"
+  if ms.get("n", 0) < (r.get("timing") or {}).get("reps_asked", 0):
+    spread += f" (n={ms['n']})"
+  b2b = ("-",) * 4
+  if r.get("ms_b2b"):
+    clock, joules = (r.get("gpu_b2b") or {}).get("sm_mhz"), r.get("j_per_call_b2b")
+    b2b = (_ms(r["ms_b2b"]["median"]), _tf(r["tflops_b2b"]), f"{clock:.0f}" if clock else "-",
+           f"{joules:.3g}" if joules else "-")
+  elif r.get("b2b_status"):
+    b2b = (STATUS_TEXT.get(r["b2b_status"], r["b2b_status"]) + " "
+           + note(f"{what}, back to back: {r.get('b2b_reason')}"), "-", "-", "-")
+  speed, pct = r.get("speedup_vs_best_peer"), r.get("pct_of_peak")
+  return (median, spread, _tf(r["tflops"]), *b2b, "-" if pct is None else f"{pct:.1f}",
+          f"{speed:.2f}x" if speed else "-", f"{mem / 2 ** 30:.2f}" if mem else "-",
+          "-" if r.get("compile_s") is None else f"{r['compile_s']:.1f}")
+
+
 def table(records: list[dict]) -> str:
   """A block per mode, a line per shape, a row per implementation; notes numbered under it."""
   moe = [r for r in records if r.get("kind") == "moe"]
@@ -161,52 +178,26 @@ def table(records: list[dict]) -> str:
   notes: list[str] = []
 
   def note(text: str) -> str:
-    notes.extend([text] if text not in notes else [])
+    notes.extend([text] * (text not in notes))
     return f"[{notes.index(text) + 1}]"
 
-  widths = (24, 10, 25, 8, 8, 8, 7, 7, 7, 8, 8, 9)
-  head = ("  impl", "median ms", "min-max ms", "TF/s", "b2b ms", "b2b TF/s", "b2b MHz", "b2b J",
-          "% peak", "vs peer", "mem GiB", "compile s")
+  def row(cells) -> str:
+    return "  ".join(str(c).ljust(w) for c, (_, w) in zip(cells, COLUMNS)).rstrip()
+
   lines = _header(records)
   for mode in MODES:
-    rows = [r for r in moe if r.get("mode") == mode]
-    if rows:
-      lines += ["", f"== {mode} ==", "  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip()]
     last = None
-    for r in rows:
+    for r in (r for r in moe if r.get("mode") == mode):
+      if last is None:
+        lines += ["", f"== {mode} ==", row(name for name, _ in COLUMNS)]
       if case_key(r) != last:
         last, load = case_key(r), r.get("load")
         lines.append(f"{r['shape']}  T={r['T']} H={r['H']} I={r['I']} E={r['E']} k={r['k']}"
                      + (f" Is={r['Is']}" if r.get("Is") else "")
                      + (f"  (routes per expert: max/mean {load['max_over_mean']:.2f}, "
                         f"{load['empty_experts']} empty)" if load else ""))
-      what = f"{r['impl']} on {r['shape']} {mode}"
       impl = f"  {r['impl']}" + (f" {note(r['impl'] + ': ' + r['note'])}" if r.get("note") else "")
-      if r.get("status") != "ok":
-        status = STATUS_TEXT.get(r.get("status"), r.get("status") or "?")
-        cells = (f"{status} {note(r['reason'])}" if r.get("reason") else status,)
-      else:
-        ms, check, mem = r["ms"], r.get("check_result") or "", r.get("peak_mem_bytes")
-        median = _ms(ms["median"])
-        if check.startswith("mismatch"):
-          median += " !" + note(f"{what}: output checksums disagree with {r['check_vs']}: {check}")
-        spread = f"{_ms(ms['min'])}-{_ms(ms['max'])}"
-        if ms.get("n", 0) < (r.get("timing") or {}).get("reps_asked", 0):
-          spread += f" (n={ms['n']})"
-        b2b = ("-",) * 4
-        if r.get("ms_b2b"):
-          clock, joules = (r.get("gpu_b2b") or {}).get("sm_mhz"), r.get("j_per_call_b2b")
-          b2b = (_ms(r["ms_b2b"]["median"]), _tf(r["tflops_b2b"]), f"{clock:.0f}" if clock
-                 else "-", f"{joules:.3g}" if joules else "-")
-        elif r.get("b2b_status"):
-          status = STATUS_TEXT.get(r["b2b_status"], r["b2b_status"])
-          b2b = (f"{status} {note(what + ', back to back: ' + str(r.get('b2b_reason')))}",
-                 "-", "-", "-")
-        speed, pct = r.get("speedup_vs_best_peer"), r.get("pct_of_peak")
-        cells = (median, spread, _tf(r["tflops"]), *b2b, "-" if pct is None else f"{pct:.1f}",
-                 f"{speed:.2f}x" if speed else "-", f"{mem / 2 ** 30:.2f}" if mem else "-",
-                 "-" if r.get("compile_s") is None else f"{r['compile_s']:.1f}")
-      lines.append("  ".join(str(c).ljust(w) for c, w in zip((impl,) + cells, widths)).rstrip())
+      lines.append(row((impl, *_cells(r, f"{r['impl']} on {r['shape']} {mode}", note))))
   lines += [""] * bool(notes) + [f"[{i + 1}] {text}" for i, text in enumerate(notes)]
   scopes = {r.get("mem_scope") for r in moe if r.get("peak_mem_bytes")}
   if scopes:
@@ -217,8 +208,8 @@ def table(records: list[dict]) -> str:
 
 
 def chart(records: list[dict], path: str) -> str | None:
-  """TF/s bars per shape and implementation, a panel per mode, the dense peak as a line, failed
-  runs labelled where their bar would be; the path, or None without matplotlib or MoE records."""
+  """TF/s bars by shape and implementation, a panel per mode, the dense peak as a line; failed
+  runs labelled where their bar would be. The path, or None without matplotlib or MoE records."""
   moe = [r for r in records if r.get("kind") == "moe"]
   try:
     import matplotlib  # pylint: disable=import-outside-toplevel
@@ -240,13 +231,13 @@ def chart(records: list[dict], path: str) -> str | None:
   for ax, mode in zip(axes[:, 0], modes):
     top = max([r.get("tflops") or 0 for r in moe if r["mode"] == mode] + [peak or 0, 1e-9])
     for r in (r for r in moe if r["mode"] == mode):
-      j, ok = impls.index(r["impl"]), r.get("status") == "ok"
-      x = shapes.index(r["shape"]) + (j - (len(impls) - 1) / 2) * width
-      ax.bar(x, r["tflops"] if ok else 0, width, color=colors[r["impl"]],
-             label=None if r["shape"] != shapes[0] else IMPLS[r["impl"]])
+      ok, color = r.get("status") == "ok", colors[r["impl"]]
+      x = shapes.index(r["shape"]) + (impls.index(r["impl"]) - (len(impls) - 1) / 2) * width
+      ax.bar(x, r["tflops"] if ok else 0, width, color=color,
+             label=IMPLS[r["impl"]] if r["shape"] == shapes[0] else None)
       if not ok:
         ax.text(x, top * 0.01, {"oom": "OOM", "unavailable": "n/a"}.get(r["status"], r["status"]),
-                rotation=90, ha="center", va="bottom", fontsize=7, color=colors[r["impl"]])
+                rotation=90, ha="center", va="bottom", fontsize=7, color=color)
     if peak:
       ax.axhline(peak, color="black", linestyle="--", linewidth=1)
       ax.text(len(shapes) - 0.52, peak, f"dense matmul {peak:.3g} TFLOP/s", va="bottom",

@@ -21,28 +21,22 @@ class Shape:
   Is: int = 0
 
   def __post_init__(self):
-    for field in ("T", "H", "I", "E", "k"):
+    for field, least in (("T", 1), ("H", 1), ("I", 1), ("E", 1), ("k", 1), ("Is", 0)):
       value = getattr(self, field)
-      if not isinstance(value, int) or value < 1:
-        raise ValueError(f"shape {self.name}: {field} must be a positive int, got {value!r}")
+      if not isinstance(value, int) or value < least:
+        raise ValueError(f"shape {self.name}: {field} must be an int >= {least}, got {value!r}")
     if self.k > self.E:
       raise ValueError(f"shape {self.name}: k = {self.k} exceeds E = {self.E}")
-    if not isinstance(self.Is, int) or self.Is < 0:
-      raise ValueError(f"shape {self.name}: Is must be an int >= 0, got {self.Is!r}")
 
   @property
   def dims(self) -> tuple[int, int, int, int, int]:
     return (self.T, self.H, self.I, self.E, self.k)
-
   def flops(self, mode: str) -> int:
     """Padding rows are not counted; the backward does two GEMMs per forward GEMM."""
     forward = 2 * self.T * self.k * 3 * self.H * self.I + 2 * self.T * 3 * self.H * self.Is
     if mode not in MODES:
       raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     return forward if mode == "fwd" else 3 * forward
-
-  def to_json(self) -> dict:
-    return dataclasses.asdict(self)
 
 
 SHAPES = {s.name: s for s in (

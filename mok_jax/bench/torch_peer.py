@@ -1,36 +1,29 @@
-"""The PyTorch peer: the same MoE layer on `torch._grouped_mm` (eager, autograd).
-
-It runs in its own process (JAX there only on the CPU, for routing) on inputs bit-identical to
-the JAX workers' (inputs.py), times each call with CUDA events around a synchronised call, then
-back to back (records.back_to_back), and reads the peak of torch's caching allocator, reset
-before each mode, before the back-to-back calls.
+"""The PyTorch peer: the same MoE layer on `torch._grouped_mm` (eager, autograd), in a process
+of its own (JAX there only on the CPU, for routing), on inputs bit-identical to the JAX
+workers'. A call is timed by CUDA events around it, synchronised; the peak memory is that of
+torch's caching allocator, reset before each mode.
 """
 
 from __future__ import annotations
 
-import time
-
-from mok_jax.bench import inputs, timing
-from mok_jax.bench.records import (CHECK_NAMES, back_to_back, failed, failure, finite_or_text,
-                                   resolve_dtype, stage, timed)
+from mok_jax.bench import inputs
+from mok_jax.bench.records import failed, failure, measure, resolve_dtype, stage
 from mok_jax.bench.shapes import Shape
+
 
 def run(job: dict):
   """The job's events, as jobs.iter_job yields them."""
-  modes = job["modes"]
-
-  def fail_all(status, reason, device=None, **extra):
-    for raw in failed(modes, status, reason, **extra):
-      yield {"event": "record", "record": raw, "device": device}
-
+  modes, device = job["modes"], None
   try:
     import torch  # pylint: disable=import-outside-toplevel
+
+    why = (None if torch.cuda.is_available() and hasattr(torch, "_grouped_mm") else
+           f"torch {torch.__version__} sees no CUDA device or has no torch._grouped_mm")
   except Exception as exc:  # pylint: disable=broad-except
-    yield from fail_all("unavailable", "import torch failed: " + failure(exc)["reason"])
-    return
-  if not torch.cuda.is_available() or not hasattr(torch, "_grouped_mm"):
-    what = "sees no CUDA device" if not torch.cuda.is_available() else "has no torch._grouped_mm"
-    yield from fail_all("unavailable", f"torch {torch.__version__} {what}")
+    why = "import torch failed: " + failure(exc)["reason"]
+  if why:
+    yield from ({"event": "record", "record": r, "device": None}
+                for r in failed(modes, "unavailable", why))
     return
   device = {"platform": "gpu", "name": torch.cuda.get_device_name(0),
             "count": torch.cuda.device_count()}
@@ -38,13 +31,8 @@ def run(job: dict):
   shape = Shape(**job["shape"])
   common = {"dtype": dtype, "note": None if dtype == "bf16" else
             "torch._grouped_mm runs its per-group fallback for non-bf16 inputs"}
-  try:
-    yield stage(modes[0], "building inputs")
-    params, sets = _inputs(torch, shape, {"bf16": torch.bfloat16, "f32": torch.float32}[dtype],
-                           job)
-  except Exception as exc:  # pylint: disable=broad-except
-    yield from fail_all(**failure(exc, "building inputs: "), device=device, **common)
-    return
+  yield stage(modes[0], "building inputs")
+  params, sets = _inputs(torch, shape, {"bf16": torch.bfloat16, "f32": torch.float32}[dtype], job)
   common["load"] = inputs.load_stats(sets[0][1].cpu().numpy(), shape.E)
   for mode in modes:
     torch.cuda.synchronize()
@@ -56,9 +44,8 @@ def run(job: dict):
 
 
 def layer(torch, x, experts, weights, w_gate, w_up, w_down, shared):
-  """Sort routes by expert, grouped gate and up products, SwiGLU, grouped down product, each
-  route's row back, the weighted sum over k in f32 (+ the shared expert). y (T, H) of x's dtype;
-  experts (T, k) int64, weights (T, k) f32."""
+  """Routes sorted by expert, grouped gate and up products, SwiGLU, grouped down product, each
+  route's row back, the weighted sum over k in f32 (+ the shared expert): y of x's dtype."""
   F, mm = torch.nn.functional, torch._grouped_mm  # pylint: disable=protected-access
   T, k = experts.shape
   flat = experts.reshape(-1)
@@ -80,22 +67,19 @@ def layer(torch, x, experts, weights, w_gate, w_up, w_down, shared):
 
 def _mulmod32(h, c: int):
   """(h * c) mod 2^32 for int64 h in [0, 2^32), without int64 overflow."""
-  lo, hi = c & 0xFFFF, c >> 16
-  return (h * lo + (((h * hi) & 0xFFFF) << 16)) & inputs.MASK32
+  return (h * (c & 0xFFFF) + (((h * (c >> 16)) & 0xFFFF) << 16)) & inputs.MASK32
 
 
 def uniform(torch, dims, salt: int, width, dtype, device):
-  """inputs.uniform's bits, a slice of the leading axis at a time to keep int64 temporaries
-  small."""
+  """inputs.uniform's bits, a slice of the leading axis at a time (small int64 temporaries)."""
   out = torch.empty(tuple(dims), dtype=dtype, device=device)
   flat = out.view(dims[0], -1)
   inner = flat.shape[1]
   step = max(1, (1 << 26) // max(inner, 1))
   for first in range(0, dims[0], step):
     count = min(step, dims[0] - first)
-    index = torch.arange(first * inner, (first + count) * inner, dtype=torch.int64,
-                         device=device) & inputs.MASK32
-    h = (_mulmod32(index, inputs.GOLDEN) + salt) & inputs.MASK32
+    h = torch.arange(first * inner, (first + count) * inner, dtype=torch.int64, device=device)
+    h = (_mulmod32(h & inputs.MASK32, inputs.GOLDEN) + salt) & inputs.MASK32
     h = _mulmod32(h ^ (h >> 16), inputs.FMIX[0])
     h = _mulmod32(h ^ (h >> 13), inputs.FMIX[1])
     unit = ((h ^ (h >> 16)) >> 8).to(torch.float32) * (2.0 ** -23) - 1.0
@@ -104,6 +88,7 @@ def uniform(torch, dims, salt: int, width, dtype, device):
 
 
 def _inputs(torch, shape, dtype, job):
+  """As inputs.jax_inputs."""
   device, seed = torch.device("cuda"), job["seed"]
 
   def make(dims, tensor_id, std=1.0, grad=True):
@@ -123,19 +108,19 @@ def _inputs(torch, shape, dtype, job):
 
 
 def _time_mode(torch, job, params, sets, mode):
-  """Yields stage events; returns the mode's figures or its failure."""
   w_gate, w_up, w_down, shared = params
-  wrt = [w_gate, w_up, w_down, *(shared or ())]
-
-  def call(i):
-    x, experts, weights, dy = sets[i]
-    if mode == "fwd":
-      with torch.no_grad():
-        return layer(torch, x, experts, weights, w_gate, w_up, w_down, shared)
-    y = layer(torch, x, experts, weights, w_gate, w_up, w_down, shared)
-    return y, torch.autograd.grad(y, [x, weights] + wrt, grad_outputs=dy)
-
   start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+  def call(i):  # (out, an event after it), to wait for this call alone
+    x, experts, weights, dy = sets[i]
+    with torch.set_grad_enabled(mode != "fwd"):
+      out = layer(torch, x, experts, weights, w_gate, w_up, w_down, shared)
+    if mode != "fwd":
+      out = [out, *torch.autograd.grad(out, [x, weights, w_gate, w_up, w_down, *(shared or ())],
+                                       grad_outputs=dy)]
+    done = torch.cuda.Event()
+    done.record()
+    return out, done
 
   def run_once(i):
     torch.cuda.synchronize()
@@ -146,44 +131,16 @@ def _time_mode(torch, job, params, sets, mode):
     del out
     return start.elapsed_time(end) / 1e3
 
-  def call_and_event(i):  # back to back: an event after each call, to wait for that one alone
-    out, done = call(i), torch.cuda.Event()
-    done.record()
-    return out, done
+  def sums(out):
+    return [_abs_sum(t) for t in (out[0] if mode != "fwd" else [out[0]])]
 
-  try:
-    yield stage(mode, "first call")
-    t0 = time.perf_counter()
-    first = call(0)
-    torch.cuda.synchronize()
-    first_s = time.perf_counter() - t0
-    check = _checksums(first, mode)
-    del first
-    yield stage(mode, f"warm-up and timing (first call {first_s * 1e3:.1f} ms)")
-    seconds, how, gpu = timed(run_once, job, first_s)
-    peak = int(torch.cuda.max_memory_allocated())
-    yield stage(mode, "back-to-back timing")
-    b2b = back_to_back(call_and_event, lambda out: out[1].synchronize(), job)
-  except Exception as exc:  # pylint: disable=broad-except
-    return failure(exc)
-  # Eager PyTorch compiles nothing: compile_s is its first call (kernel loading, cuBLAS setup).
-  return {"status": "ok", "ms": timing.summarize(seconds), "timing": how, "compile_s": first_s,
-          "check": check, "peak_mem_bytes": peak, **gpu, **b2b}
+  return (yield from measure(mode, job, lambda: (call, None), lambda out: out[1].synchronize(),
+                             sums, lambda: int(torch.cuda.max_memory_allocated()), run_once))
 
 
-def _checksums(out, mode) -> dict:
-  """As jobs' checksums, a slice of the leading axis at a time: no f32 copy of a whole gradient
-  (15 GiB for dsv3's) while the peak memory is being read."""
-
-  def abs_sum(t):
-    t = t.detach()
-    rows = max(1, (1 << 26) // max(t[0].numel() if t.dim() > 1 else 1, 1))
-    return sum(float(t[i:i + rows].float().abs().sum()) for i in range(0, t.shape[0], rows))
-
-  if mode == "fwd":
-    return {"y": finite_or_text(abs_sum(out))}
-  y, grads = out
-  sums = dict(zip(CHECK_NAMES, map(abs_sum, (y, *grads[:5]))))
-  if grads[5:]:
-    sums["dws"] = sum(abs_sum(g) for g in grads[5:])
-  return {name: finite_or_text(value) for name, value in sums.items()}
+def _abs_sum(t) -> float:
+  """A slice of the leading axis at a time: no f32 copy of a whole gradient (15 GiB for dsv3's)
+  while the peak memory is being read."""
+  t = t.detach()
+  rows = max(1, (1 << 26) // max(t[0].numel() if t.dim() > 1 else 1, 1))
+  return sum(float(t[i:i + rows].float().abs().sum()) for i in range(0, t.shape[0], rows))
