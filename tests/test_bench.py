@@ -342,7 +342,7 @@ class _FakeClock:
 
 
 @pytest.mark.parametrize("call_s,warmup_calls,timed", [
-    (0.001, 501, 20),  # fast: the first call, then --warmup-s (0.5 s) of calls; all reps
+    (0.001, 501, 20),  # fast: the first call, then 0.5 s (warmup_s) of calls; all reps
     (0.3, 4, 6),  # 235 ms-ish: the first call and 3 warm-up calls, reps cut to fit 2 s
     (20.0, 2, 1),  # a minute-long mode at worst: the first call, one warm-up, one timed call
 ])

@@ -1,10 +1,7 @@
-"""The GPU's SM clock, power draw and energy while a timing runs (nvidia-smi and NVML).
-
-An H200 held busy reaches its 700 W limit and lowers its SM clock from 1980 MHz to 1290-1620
-MHz: the same kernels time differently one synchronised call at a time, back to back, and on
-another machine of the pool. A record that carries the clock of its own timing says which it
-measured. Run as a script, this file is the energy poller (it imports nothing of mok_jax, so it
-starts in tens of milliseconds).
+"""The GPU's SM clock, power and energy while a timing runs (nvidia-smi, NVML). An H200 held
+busy reaches its 700 W limit and lowers its SM clock from 1980 to 1290-1620 MHz, so a record
+carries the clock of its own timing. Run as a script, this file is the energy poller (it imports
+nothing of mok_jax, so it starts in tens of milliseconds).
 """
 
 from __future__ import annotations

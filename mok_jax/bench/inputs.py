@@ -1,13 +1,8 @@
-"""Benchmark inputs, bit-identical in every framework for a given seed.
-
-Routing: NumPy Gumbel logits through mok_jax.route on JAX's CPU device. With skew s > 0 the
-logits get a prior log p_e, p_e ~ 1 / rank_e^s (Zipf), and the Gumbel top-k trick samples k
-distinct experts per token with probability proportional to p.
-
-Tensors: murmur3's 32-bit finaliser of each element's linear index and a per-tensor salt, mapped
-to a uniform distribution. The arithmetic is exact in 32-bit integers and f32 up to one final
-product, so JAX (`uniform`) and PyTorch (torch_peer.uniform) make the same values, and the report
-can compare output checksums across frameworks.
+"""Benchmark inputs, bit-identical in every framework for a seed. Routing: Gumbel logits (with
+skew s a Zipf prior log p_e, p_e ~ 1 / rank_e^s, so that the Gumbel top-k trick samples experts
+by p) through mok_jax.route on the CPU. Tensors: murmur3's finaliser of each element's index and
+a salt, mapped to a uniform distribution, exact in 32-bit integers and f32 up to one product, so
+that JAX and PyTorch (torch_peer.uniform) make the same values and checksums compare.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
-"""A job: the dense-matmul peak, or one implementation's modes on one shape.
+"""A job: the dense-matmul peak, or one implementation's modes on one shape (kind "peak" |
+"moe", impl, shape, modes and runner.Options.knobs). Its events: stages, and a record a mode.
 
-`python -m mok_jax.bench.jobs JOB.json EVENTS.jsonl` runs one in a fresh process, appending
-each event, flushed, as it happens, so that the runner times out each mode on its own and keeps
-the modes done when a later one hangs or kills the process. A fresh process gives a job its own
-peak-memory counter (JAX cannot reset one), keeps a crash or a poisoned CUDA context to its own
-modes, and PyTorch off JAX's preallocated pool.
-
-A job: kind ("peak" | "moe"), impl, shape (Shape's fields), modes, and runner.Options.knobs.
-Events: stages, and a record a mode, in order: mode, status ("ok", "oom", "error",
-"unavailable"), reason; when ok ms, timing, compile_s, check, peak_mem_bytes, gpu, and the
-back-to-back ms_b2b, timing_b2b, gpu_b2b (records.measure).
+`python -m mok_jax.bench.jobs JOB.json EVENTS.jsonl` runs one in a fresh process, appending each
+event as it happens, so that the runner times out each mode on its own. A fresh process gives a
+job its own peak-memory counter (JAX cannot reset one), keeps a crash or a poisoned CUDA context
+to its own modes, and PyTorch off JAX's preallocated pool.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""Runs a benchmark's jobs, each in a fresh worker process (or all in this one), and makes their
-records: the dense peak, then one per (shape, implementation, mode).
-
-Nothing here initialises a JAX backend or imports torch, so the GPU is free for each worker in
-turn. The peak runs first and tells the platform, whose defaults pick the implementations. A
-worker streams its events (jobs.py) to a file that this process polls. Each mode has its own
---mode-timeout, counted from the previous mode's record (from the worker's start for the first,
-so that it covers imports and inputs): past it the worker is killed, the mode reported as
-"timeout" with the stage it was in, and the modes after it get a fresh worker. A worker that
-dies (host OOM, a segfault) costs only its mode. Each record is reported (a progress line,
-.partial.jsonl) as it arrives.
+"""Runs a benchmark's jobs, each in a fresh worker (or all in this process), and makes their
+records. Nothing here initialises a JAX backend or imports torch, so the GPU is free for each
+worker in turn. A mode's --mode-timeout counts from the previous mode's record (from the
+worker's start for the first, so that it covers imports and inputs); past it, or when the worker
+dies, that mode alone fails (with the stage it was in) and the modes after it get a new worker.
 """
 
 from __future__ import annotations

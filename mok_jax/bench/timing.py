@@ -1,15 +1,11 @@
-"""Repetition loops and their summary, shared by every framework (and tools/ab/measure.py).
+"""Repetition loops and their summary, for every framework (and tools/ab/measure.py).
 
-`repeat` (one synchronised call a sample): warm-up calls, then timed ones, each on the next of a
-few input sets, so that no call re-reads operands the previous one left in L2. The timed count is
-`reps`, cut to fit `budget_s` but not below `min_reps` unless that would take HARD_CAP budgets;
-warm-up stops after WARMUP_CAP budgets. A slow peer's mode thus costs at most about
-compile + (WARMUP_CAP + HARD_CAP) * budget_s + 3 calls.
-
-`batched` (the dense peak, and every MoE mode's b2b figure): back-to-back calls, one
-synchronisation per sample of about sample_s, so that neither dispatch nor synchronisation
-latency sits between two calls. max_in_flight bounds the memory of the calls in flight while the
-device still always has the next call queued.
+`repeat`: a synchronised call a sample, each on the next of a few input sets so that none
+re-reads what the last left in L2; `reps` cut to fit `budget_s`, not below `min_reps` unless that
+takes HARD_CAP budgets, and warm-up within WARMUP_CAP budgets, so that a slow peer's mode costs
+at most about compile + (WARMUP_CAP + HARD_CAP) * budget_s + 3 calls. `batched`: back-to-back
+calls, a sync per sample, so that no dispatch or sync latency sits between two calls;
+max_in_flight bounds the calls' memory while the device always has the next one queued.
 """
 
 from __future__ import annotations
