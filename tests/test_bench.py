@@ -9,10 +9,8 @@ given a GPU, so its row must say why it did not run.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import re
 import subprocess
 import sys
 import textwrap
@@ -21,7 +19,6 @@ import pytest
 
 from mok_jax.bench import __main__ as bench_main
 from mok_jax.bench import jobs, records, report, runner, shapes, timing
-from mok_jax.bench.shapes import SKIP_ENV
 
 
 def expected_flops(T, H, I, E, k, Is, mode):
@@ -185,12 +182,12 @@ def test_report_rerenders_a_file(tiny_run, tmp_path):
 
 
 def _isolated_runner(tmp_path, timeout_s=120.0):
+  knobs = dict(dtype="auto", seed=0, skew=0.0, ep=1, sets=1, warmup=0, warmup_s=0.0, reps=1,
+               min_reps=1, budget_s=1.0, peak_n=8, peak_warmup_s=0.0)
   opts = runner.Options(shapes=list(shapes.TINY), impls="xla", modes=list(shapes.MODES),
-                        dtype="auto", seed=0, skew=0.0, sets=1, warmup=0, warmup_s=0.0, reps=1,
-                        min_reps=1, budget_s=1.0, peak_n=8, peak_warmup_s=0.0, isolate=True,
-                        mode_timeout_s=timeout_s, log_dir=str(tmp_path))
-  run = runner.Runner(opts)
-  return run, run._job("moe", "mok_jax:xla", shapes.TINY[0])
+                        knobs=knobs, isolate=True, mode_timeout_s=timeout_s,
+                        log_dir=str(tmp_path))
+  return opts, runner.make_job(opts, "mok_jax:xla", shapes.TINY[0])
 
 
 def _statuses(events):
@@ -198,12 +195,12 @@ def _statuses(events):
 
 
 def test_worker_error_becomes_an_error_row(tmp_path):
-  run, job = _isolated_runner(tmp_path)
+  opts, job = _isolated_runner(tmp_path)
   job["shape"] = {"name": "bad", "T": 0, "H": 1, "I": 1, "E": 1, "k": 1}
-  events, scope = run._execute(job, "bad")
-  assert scope == "worker"
+  events = runner.execute(opts, job, "bad")
+  assert (tmp_path / "bad.log").exists()  # a worker ran it
   assert [e["record"]["status"] for e in events] == ["error", "error"]
-  assert all("T must be a positive int" in e["record"]["reason"] for e in events)
+  assert all("T must be an int >= 1" in e["record"]["reason"] for e in events)
 
 
 # A stand-in worker: `python -c FAKE_WORKER JOB.json EVENTS.jsonl`; per mode, BEHAVIOUR (set
@@ -239,15 +236,15 @@ def _fake_worker(monkeypatch, **behaviour):
 
 
 def test_dead_or_hung_worker_becomes_a_row(tmp_path, monkeypatch):
-  run, job = _isolated_runner(tmp_path, timeout_s=1.0)
+  opts, job = _isolated_runner(tmp_path, timeout_s=1.0)
   monkeypatch.setattr(runner, "WORKER", [sys.executable, "-c",
                                          "import sys; print('boom'); sys.exit(3)"])
-  events, _ = run._execute(job, "dies")
+  events = runner.execute(opts, job, "dies")
   assert [e["record"]["status"] for e in events] == ["crashed", "crashed"]
   assert "exit code 3" in events[0]["record"]["reason"]
   assert "boom" in events[0]["record"]["reason"]
   monkeypatch.setattr(runner, "WORKER", [sys.executable, "-c", "import time; time.sleep(60)"])
-  events, _ = run._execute(job, "hangs")
+  events = runner.execute(opts, job, "hangs")
   assert [e["record"]["status"] for e in events] == ["timeout", "timeout"]
 
 
@@ -255,9 +252,9 @@ def test_slow_backward_keeps_the_forward(tmp_path, monkeypatch):
   """fwd streams its record; fwd+bwd hangs: fwd's result stays, fwd+bwd alone times out, with
   the stage it hung in, after its own timeout (counted from fwd's record)."""
   _fake_worker(monkeypatch, fwd="ok", fwd_bwd="hang")
-  run, job = _isolated_runner(tmp_path, timeout_s=1.5)
+  opts, job = _isolated_runner(tmp_path, timeout_s=1.5)
   seen = []
-  events, _ = run._execute(job, "slow_bwd", seen.append)
+  events = runner.execute(opts, job, "slow_bwd", seen.append)
   assert _statuses(events) == {"fwd": "ok", "fwd+bwd": "timeout"}
   assert seen == events  # each record was handed on as it arrived
   reason = events[1]["record"]["reason"]
@@ -268,11 +265,11 @@ def test_slow_backward_keeps_the_forward(tmp_path, monkeypatch):
 
 def test_a_mode_after_a_killed_one_gets_a_fresh_worker(tmp_path, monkeypatch):
   _fake_worker(monkeypatch, fwd="hang_once", fwd_bwd="ok")
-  run, job = _isolated_runner(tmp_path, timeout_s=1.5)
-  events, _ = run._execute(job, "slow_fwd")
+  opts, job = _isolated_runner(tmp_path, timeout_s=1.5)
+  events = runner.execute(opts, job, "slow_fwd")
   assert _statuses(events) == {"fwd": "timeout", "fwd+bwd": "ok"}
   _fake_worker(monkeypatch, fwd="ok", fwd_bwd="die")
-  events, _ = run._execute(job, "dies_in_bwd")
+  events = runner.execute(opts, job, "dies_in_bwd")
   assert _statuses(events) == {"fwd": "ok", "fwd+bwd": "crashed"}
   assert "boom in fwd+bwd" in events[1]["record"]["reason"]
   assert "while compiling fwd+bwd" in events[1]["record"]["reason"]
@@ -298,100 +295,6 @@ def test_failed_backward_and_good_forward_both_in_json(tmp_path):
   assert "error [" in proc.stdout and "backward not supported" in proc.stdout
 
 
-def test_breakdown_tiny_reports_cuda_unavailable(tmp_path):
-  """--breakdown --tiny on a CPU: no CUDA kernel, so every variant of the forward is a row that
-  says why, in the JSON and in the table, and the run exits 1 (nothing measured)."""
-  out = tmp_path / "out" / "bench.jsonl"
-  proc = subprocess.run([sys.executable, "-m", "mok_jax.bench", "--breakdown", "--tiny",
-                         "--out", str(out)], cwd=REPO, env=_env(), capture_output=True,
-                        text=True, timeout=300)
-  assert proc.returncode == 1, proc.stdout + proc.stderr
-  assert "Traceback" not in proc.stderr, proc.stderr
-  records = [json.loads(line) for line in out.read_text().splitlines()]
-  shape = shapes.TINY[0]
-  stages = ["gather", "gemm1", "gemm2", "combine"]  # no shared expert
-  assert [r["mode"] for r in records] == (["fwd"] + [f"fwd-skip-{s}" for s in stages]
-                                          + ["fwd-layout-only"])
-  assert [r["stage"] for r in records] == [None, *stages, "layout"]
-  assert [r["skip"] for r in records] == [[], *([s] for s in stages),
-                                          ["gather", "gemm1", "gemm2", "shared", "combine"]]
-  assert len({r["run_id"] for r in records}) == 1
-  for r in records:
-    assert r["kind"] == "breakdown" and r["impl"] == "mok_jax:cuda" and r["shape"] == "tiny"
-    assert r["status"] == "unavailable" and "not a CUDA GPU" in r["reason"], r
-    assert "ms" not in r and r["flops"] == shape.flops("fwd")
-  assert "== forward stage breakdown (mok_jax:cuda)" in proc.stdout
-  row = next(line for line in proc.stdout.splitlines() if line.startswith("tiny "))
-  assert row.count("n/a [1]") == 6, row  # full, layout and four left out
-  assert re.split(r"\s{2,}", row)[-3:] == ["-", "n/a [1]", "-"], row  # shared, combine, sum
-  assert "[1] JAX's default backend is 'cpu', not a CUDA GPU" in proc.stdout
-  assert out.with_suffix(".txt").read_text().strip() == proc.stdout.strip()
-  assert not out.with_name("bench.partial.jsonl").exists()
-
-
-def test_breakdown_times_every_variant_in_a_worker(tmp_path, monkeypatch):
-  """The breakdown through a real worker on the CPU, with the C++ target in place of the CUDA
-  kernel (it does not read MOK_FWD_SKIP, so every variant runs the whole forward): each variant
-  is timed with MOK_FWD_SKIP naming what it leaves out, nothing for the full forward even when
-  the caller set something, and each stage's time is derived from the medians."""
-  for name, value in _env().items():
-    monkeypatch.setenv(name, value)
-  monkeypatch.setenv(SKIP_ENV, "gather")
-  monkeypatch.setattr(runner, "BREAKDOWN_IMPL", "mok_jax:ffi")
-  shape = dataclasses.replace(shapes.TINY[0], Is=64)
-  opts = runner.Options(shapes=[shape], impls="", modes=[], dtype="auto", seed=0, skew=0.0,
-                        sets=2, warmup=0, warmup_s=0.0, reps=2, min_reps=1, budget_s=0.5,
-                        peak_n=None, peak_warmup_s=0.0, isolate=True, mode_timeout_s=120.0,
-                        log_dir=str(tmp_path), breakdown=True)
-  records = runner.Runner(opts).run()
-  assert [r["mode"] for r in records] == shapes.breakdown_modes(shape)
-  assert [r["stage"] for r in records] == [None, "gather", "gemm1", "gemm2", "shared",
-                                           "combine", "layout"]
-  for r in records:
-    assert r["status"] == "ok", r
-    assert r["kind"] == "breakdown" and r["impl"] == "mok_jax:ffi" and r["platform"] == "cpu"
-    assert r["worker_env"].get(SKIP_ENV) == (",".join(r["skip"]) or None), r["worker_env"]
-    assert r["ms"]["n"] >= 1 and r["timing"]["calls_per_sample"] >= 1 and r["compile_s"] > 0
-    assert r["flops"] == shape.flops("fwd") and "check" not in r
-  derived = report.derive(records)
-  full, *left_out, layout = derived
-  full_ms = full["ms"]["median"]
-  assert "stage_ms" not in full
-  assert full["tflops"] == pytest.approx(shape.flops("fwd") / (full_ms * 1e-3) / 1e12)
-  for r in left_out:
-    assert r["full_ms"] == full_ms
-    assert r["stage_ms"] == pytest.approx(full_ms - r["ms"]["median"])
-  assert layout["stage_ms"] == layout["ms"]["median"]
-  for r in derived[1:]:
-    assert r["stage_pct"] == pytest.approx(100 * r["stage_ms"] / full_ms)
-  row = next(line for line in report.table(derived).splitlines() if line.startswith("tiny "))
-  stage_cells = [f"{r['stage_ms']:.3f} {r['stage_pct']:.1f}%" for r in [layout, *left_out]]
-  total = sum(r["stage_ms"] for r in derived[1:])
-  assert row.split()[-14:] == " ".join(stage_cells + [
-      f"{total:.3f} {100 * total / full_ms:.1f}%"]).split(), row
-
-
-def test_breakdown_modes():
-  assert shapes.breakdown_modes(shapes.TINY[0]) == [
-      "fwd", "fwd-skip-gather", "fwd-skip-gemm1", "fwd-skip-gemm2", "fwd-skip-combine",
-      "fwd-layout-only"]
-  assert shapes.breakdown_variant("fwd") == (None, ())
-  assert shapes.breakdown_variant("fwd-skip-gemm2") == ("gemm2", ("gemm2",))
-  assert shapes.breakdown_variant("fwd-layout-only") == (
-      "layout", ("gather", "gemm1", "gemm2", "shared", "combine"))
-  for bad in ("fwd+bwd", "fwd-skip-", "fwd-skip-layout", "fwd-skip-gemm3", "gemm1"):
-    with pytest.raises(ValueError, match="breakdown mode"):
-      shapes.breakdown_variant(bad)
-
-
-@pytest.mark.parametrize("argv", [["--breakdown", "--impls", "cuda"],
-                                  ["--breakdown", "--modes", "fwd"]])
-def test_breakdown_rejects_impls_and_modes(argv, capsys):
-  with pytest.raises(SystemExit):
-    bench_main.parse_args(argv)
-  assert "--breakdown times the CUDA forward only" in capsys.readouterr().err
-
-
 @pytest.mark.parametrize("mode,factor", [("fwd", 1), ("fwd+bwd", 3)])
 def test_flops(mode, factor):
   s = shapes.SHAPES["qwen3_30b"]
@@ -401,7 +304,7 @@ def test_flops(mode, factor):
 
 
 @pytest.mark.parametrize("text,error", [("1,2,3,4", "five"), ("1,2,3,4,x", "five"),
-                                        ("8,8,8,2,4", "exceeds"), ("0,8,8,2,1", "positive")])
+                                        ("8,8,8,2,4", "exceeds"), ("0,8,8,2,1", "int >= 1")])
 def test_bad_shape(text, error):
   with pytest.raises(ValueError, match=error):
     shapes.parse_shape(text)
@@ -439,7 +342,7 @@ class _FakeClock:
 
 
 @pytest.mark.parametrize("call_s,warmup_calls,timed", [
-    (0.001, 501, 20),  # fast: the first call, then --warmup-s (0.5 s) of calls; all reps
+    (0.001, 501, 20),  # fast: the first call, then 0.5 s (warmup_s) of calls; all reps
     (0.3, 4, 6),  # 235 ms-ish: the first call and 3 warm-up calls, reps cut to fit 2 s
     (20.0, 2, 1),  # a minute-long mode at worst: the first call, one warm-up, one timed call
 ])
@@ -573,7 +476,7 @@ def test_back_to_back_samples_hold_many_calls(monkeypatch):
   assert got["ms_b2b"]["median"] == pytest.approx(25.0)
   text = report.table(report.derive([dict(_record("mok_jax:cuda", "mok_jax", 26.0, {"y": 1.0}),
                                           **got)]))
-  assert "samples of about\n  250 ms of calls" in text
+  assert "samples of about 250 ms" in text
 
 
 def test_back_to_back_figures_and_failure():
@@ -668,8 +571,18 @@ def test_tiny_expert_parallel(tmp_path):
   assert "expert parallelism over 2 devices" in proc.stdout
 
 
-def test_ep_is_checked():
+@pytest.mark.parametrize("argv", [["--ep", "0"], ["--skew", "-1"], ["--reps", "0"],
+                                  ["--modes", "bwd"], ["--breakdown"]])
+def test_bad_options_are_refused(argv):
   with pytest.raises(SystemExit):
-    bench_main.parse_args(["--tiny", "--ep", "0"])
+    bench_main.parse_args(["--tiny", *argv])
+
+
+def test_out_must_be_a_new_file(tmp_path, capsys):
+  out = tmp_path / "bench.jsonl"
+  out.write_text("{}\n")
   with pytest.raises(SystemExit):
-    bench_main.parse_args(["--tiny", "--ep", "2", "--breakdown"])
+    bench_main.parse_args(["--tiny", "--out", str(out)])
+  assert "exists" in capsys.readouterr().err and out.read_text() == "{}\n"
+  args, _ = bench_main.parse_args(["--report", str(out), "--out", str(out)])
+  assert args.report == str(out)

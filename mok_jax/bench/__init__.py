@@ -2,8 +2,6 @@
 backend and the peers a JAX user would pick instead (jax.lax.ragged_dot, tokamax.ragged_dot,
 torch._grouped_mm), against the dense-matmul peak measured in the same run.
 
-Modules: shapes (what is timed, FLOPs), inputs (routing and tensors, identical in every
-framework), peers (the implementations), torch_peer (the PyTorch layer), timing (the repetition
-loop), jobs (one job; also the worker process), runner (plans and runs jobs), report (derived
-figures, table, JSON lines, chart), env (machine, versions).
+Imports point one way: __main__ -> report, runner -> jobs -> torch_peer, peers, inputs ->
+records -> timing, clocks.
 """

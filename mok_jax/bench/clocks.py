@@ -1,9 +1,7 @@
-"""The GPU's SM clock and power draw while a timing runs, sampled with nvidia-smi.
-
-An H200 held busy reaches its 700 W power limit and lowers its SM clock, from 1980 MHz to
-1290-1620 MHz under mok_jax's back-to-back calls: the same kernels time differently
-one synchronised call at a time, back to back, and on another machine of the pool. A record
-that carries the clock of its own timing says which of these it measured.
+"""The GPU's SM clock, power and energy while a timing runs (nvidia-smi, NVML). An H200 held
+busy reaches its 700 W limit and lowers its SM clock from 1980 to 1290-1620 MHz, so a record
+carries the clock of its own timing. Run as a script, this file is the energy poller (it imports
+nothing of mok_jax, so it starts in tens of milliseconds).
 """
 
 from __future__ import annotations
@@ -21,20 +19,18 @@ import time
 PERIOD_MS = 100
 QUERY = "timestamp,clocks.sm,power.draw"
 TIMESTAMP = "%Y/%m/%d %H:%M:%S.%f"  # nvidia-smi's, in local time
+POLL_MS = 1.0  # the poller's reads of NVML's energy counter
 
 
 def gpu_index(visible: str | None = None) -> str:
-  """nvidia-smi's name for the device the job runs on: the first of CUDA_VISIBLE_DEVICES (an
-  index or a UUID), else 0."""
+  """nvidia-smi's name for the job's device: the first of CUDA_VISIBLE_DEVICES, else 0."""
   visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
-  first = (visible or "").split(",")[0].strip()
-  return first or "0"
+  return (visible or "").split(",")[0].strip() or "0"
 
 
 def parse(text: str, since: float | None = None, until: float | None = None) -> dict | None:
-  """nvidia-smi's `--format=csv,noheader,nounits` lines of QUERY -> medians and ranges of the
-  samples taken from `since` to `until` (time.time(); either open), or None without such a
-  sample (lines that are not a timestamp and two numbers, such as "[N/A]", are left out)."""
+  """nvidia-smi's csv lines of QUERY -> medians and ranges of the samples from `since` to
+  `until` (time.time(); either open); lines such as "[N/A]" are left out."""
   mhz, watts = [], []
   for line in text.splitlines():
     fields = [f.strip() for f in line.split(",")]
@@ -45,10 +41,9 @@ def parse(text: str, since: float | None = None, until: float | None = None) -> 
       m, w = float(fields[1]), float(fields[2])
     except ValueError:
       continue
-    if (since is not None and at < since) or (until is not None and at > until):
-      continue
-    mhz.append(m)
-    watts.append(w)
+    if (since is None or at >= since) and (until is None or at <= until):
+      mhz.append(m)
+      watts.append(w)
   if not mhz:
     return None
   return {"sm_mhz": statistics.median(mhz), "sm_mhz_min": min(mhz), "sm_mhz_max": max(mhz),
@@ -56,25 +51,11 @@ def parse(text: str, since: float | None = None, until: float | None = None) -> 
           "samples": len(mhz)}
 
 
-def _no_mark():
-  pass
-
-
-# The energy poller: this file run as a script in a process of its own (it imports nothing of
-# mok_jax, so it starts in tens of milliseconds), printing "monotonic-seconds mJ" for its first
-# reading and at every change of NVML's energy counter, which it reads every POLL_MS.
-POLL_MS = 1.0
-
-
 def energy_between(steps: list[tuple[float, int]], t0: float, t1: float) -> float | None:
-  """Joules the GPU used from time t0 to t1 (time.monotonic), from the energy counter's steps
-  [(time the poller saw it move, mJ)]: NVML's counter moves every 100 ms on an H200 (by the
-  draw of the 100 ms before), so the joules between the
-  first and the last step inside [t0, t1] are exact, and the parts of the block before the
-  first and after the last are taken at the draw between those two steps (a timed block is
-  busy throughout; the draw of a single step would be wrong by as much as the poller was late
-  to see either of its ends). None with fewer than three steps inside (a block shorter than
-  about 0.3 s): no figure rather than one off by a step."""
+  """Joules from t0 to t1 (time.monotonic) from the counter's steps [(seen at, mJ)]. NVML's
+  counter moves every 100 ms, so the joules between the first and last steps inside are exact;
+  the ends are taken at the draw between those two steps, since the draw of a single step would
+  be off by as much as the poller was late to see it. None with fewer than three steps inside."""
   inside = [(t, mj) for t, mj in steps if t0 <= t <= t1]
   if len(inside) < 3:
     return None
@@ -83,21 +64,18 @@ def energy_between(steps: list[tuple[float, int]], t0: float, t1: float) -> floa
 
 
 def parse_steps(text: str) -> list[tuple[float, int]]:
-  """The poller's lines -> its steps, without its first reading (not a step: the counter moved
-  at some unknown time before it)."""
+  """The poller's lines -> its steps; its first reading is none (the counter moved before)."""
   readings = []
   for line in text.splitlines():
-    fields = line.split()
     try:
-      readings.append((float(fields[0]), int(fields[1])))
-    except (ValueError, IndexError):
+      at, mj = line.split()[:2]
+      readings.append((float(at), int(mj)))
+    except ValueError:
       continue
   return readings[1:]
 
 
 def poller_args(visible: str) -> list[str]:
-  """The energy poller's command line: this file in an isolated interpreter (-I: no PYTHONPATH,
-  no script directory on sys.path)."""
   return [sys.executable, "-I", os.path.abspath(__file__), visible]
 
 
@@ -113,31 +91,24 @@ def _finish(proc) -> str:
     return ""
   proc.terminate()
   try:
-    text, _ = proc.communicate(timeout=5)
+    return proc.communicate(timeout=5)[0] or ""
   except subprocess.TimeoutExpired:
     proc.kill()
-    text, _ = proc.communicate()
-  return text or ""
+    return proc.communicate()[0] or ""
 
 
 @contextlib.contextmanager
 def sampling(out: dict, key: str):
-  """Samples the job's GPU every PERIOD_MS while the block runs; then out[key] = parse(...) of
-  the samples from the block's start, or from the last call of the `mark` it yields (timing's
-  on_timed, so that clock, draw and joules are the timed calls' and not the warm-up's, in which
-  dsv3's first back-to-back calls left the GPU near idle for seconds), to its end; of the
-  whole block if none came after the mark (timed calls shorter than a sample), with
-  `whole_block`. With it the GPU's joules (`energy_j`, energy_between) over `block_s` seconds
-  from the mark where NVML counts them. Without nvidia-smi (a CPU machine) or without a sample,
-  out is left as it is: the timing never depends on the sampler."""
+  """Samples the GPU while the block runs; out[key] = parse(...) of the samples from the last
+  call of the yielded `mark` (timing's on_timed: the timed calls', not the warm-up's, in which
+  dsv3's first b2b calls left the GPU near idle for seconds) to the end, or of the whole block
+  (`whole_block`) when none came after it; with `energy_j` over `block_s` where NVML counts it.
+  Without nvidia-smi or a sample, out stays as it is: the timing never depends on this."""
   exe = shutil.which("nvidia-smi")
-  if exe is None:
-    yield _no_mark
-    return
-  smi = _start([exe, "-i", gpu_index(), f"--query-gpu={QUERY}", "--format=csv,noheader,nounits",
-                "-lms", str(PERIOD_MS)])
-  if smi is None:
-    yield _no_mark
+  smi = exe and _start([exe, "-i", gpu_index(), f"--query-gpu={QUERY}",
+                        "--format=csv,noheader,nounits", "-lms", str(PERIOD_MS)])
+  if not smi:
+    yield lambda: None
     return
   poller = _start(poller_args(gpu_index()))
   start = {}
@@ -153,32 +124,24 @@ def sampling(out: dict, key: str):
     energy = energy_between(parse_steps(_finish(poller)), start["at"], end)
     text = _finish(smi)
     found = parse(text, since=start["wall"], until=end_wall)
-    if found is None:
-      found = parse(text)
-      if found:
-        found["whole_block"] = True
+    if found is None and (found := parse(text)):
+      found["whole_block"] = True
     if found:
       if energy is not None:
-        found["energy_j"] = round(energy, 3)
-        found["block_s"] = round(end - start["at"], 4)
+        found.update(energy_j=round(energy, 3), block_s=round(end - start["at"], 4))
       out[key] = found
 
 
 def energy_reader(visible: str | None = None):
-  """(read, close) for the job's GPU's energy counter (NVML's
-  nvmlDeviceGetTotalEnergyConsumption: millijoules since the driver loaded) on one open handle,
-  or None without NVML or the counter (a CPU machine)."""
+  """(read, close) of NVML's nvmlDeviceGetTotalEnergyConsumption (mJ since the driver loaded)
+  for the job's GPU, on one open handle; None without NVML or the counter."""
   try:
     nvml = ctypes.CDLL("libnvidia-ml.so.1")
-  except OSError:
-    return None
-  handle, mj = ctypes.c_void_p(), ctypes.c_ulonglong()
-  which = gpu_index(visible)
-  try:
     if nvml.nvmlInit_v2() != 0:
       return None
-  except AttributeError:  # an NVML without these entry points
+  except (OSError, AttributeError):
     return None
+  handle, mj, which = ctypes.c_void_p(), ctypes.c_ulonglong(), gpu_index(visible)
   try:
     if which.isdigit():
       found = nvml.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(int(which)), ctypes.byref(handle))
@@ -188,20 +151,18 @@ def energy_reader(visible: str | None = None):
   except AttributeError:
     ok = False
   if not ok:
-    nvml.nvmlShutdown()  # each successful init is matched, whatever the lookups did
+    nvml.nvmlShutdown()  # each successful init is matched
     return None
 
   def read() -> int | None:
-    if nvml.nvmlDeviceGetTotalEnergyConsumption(handle, ctypes.byref(mj)) != 0:
-      return None
-    return mj.value
+    ok = nvml.nvmlDeviceGetTotalEnergyConsumption(handle, ctypes.byref(mj)) == 0
+    return mj.value if ok else None
 
   return read, nvml.nvmlShutdown
 
 
 def energy_changes(read):
-  """(time.monotonic(), mJ) of the first reading of `read` (energy_reader's) and of every change
-  after it, read every POLL_MS, until a reading fails."""
+  """(time.monotonic(), mJ) of the first reading and of every change, until a read fails."""
   last = None
   while (mj := read()) is not None:
     if mj != last:
@@ -211,7 +172,7 @@ def energy_changes(read):
 
 
 def poll_energy(visible: str) -> None:
-  """The energy poller (see POLL_MS): runs until terminated or the counter fails."""
+  """Prints "monotonic-seconds mJ" lines until terminated or the counter fails."""
   reader = energy_reader(visible)
   if reader is None:
     return
