@@ -41,7 +41,7 @@ for stage in "$@"; do
     bench)
       # shellcheck disable=SC2086  # ARGS are words
       timeout "$limit" python3 -m mok_jax.bench ${arg:---impls cuda,jax,tokamax,torch --mode-timeout 30} \
-        --out "$out/bench.jsonl" --png "$out/bench.png" --logs "$out/bench-logs" \
+        --out "$out/bench.jsonl" --logs "$out/bench-logs" \
         > "$out/bench.txt" 2>&1
       rc=$?; tail -20 "$out/bench.txt"; (exit $rc) ;;
     *) echo "unknown stage $stage"; false ;;
