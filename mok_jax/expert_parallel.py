@@ -117,6 +117,7 @@ def exchange(a, axis_name, n_ranks: int, sizes=None):
   return jax.lax.platform_dependent(a, *sizes, default=ragged, **per_platform)
 
 
+# A module attribute, so that the tests can run the ragged path on CPU through an emulation.
 _ragged_all_to_all = jax.lax.ragged_all_to_all
 
 
