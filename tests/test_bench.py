@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 from mok_jax.bench import __main__ as bench_main
@@ -551,6 +552,18 @@ def test_latest_keeps_newest_record_per_case():
   assert [r["ms"]["median"] for r in kept] == [4.0, 3.0]
 
 
+def test_ep_bytes_count_only_the_routes_that_leave_on_gpus():
+  """Ragged (GPUs): a device's routes to another device's experts, the mean over devices;
+  whole blocks otherwise. Ids out of range move nothing."""
+  shape = shapes.Shape("s", T=2, H=8, I=8, E=4, k=2)
+  experts = np.array([[0, 3], [2, -1],  # device 0 (experts 0, 1): 2 routes leave
+                      [1, 2], [3, 4]])  # device 1 (experts 2, 3): 1 route leaves
+  ragged = jobs.ep_bytes(shape, 2, 2, experts, ragged=True)
+  assert ragged["fwd"] == 1.5 * (2 * 8 * 2 + 8)
+  assert ragged["fwd+bwd"] == ragged["fwd"] + 1.5 * (2 * 8 * 2 + 4)
+  assert jobs.ep_bytes(shape, 2, 2, experts, ragged=False)["fwd"] == 4 * (2 * 8 * 2 + 8)
+
+
 def test_tiny_expert_parallel(tmp_path):
   """--ep 2 on a CPU (two host devices): mok_jax's backends time the expert-parallel layer,
   with the bytes a device sends; a peer without expert parallelism is a row saying so."""
@@ -565,7 +578,9 @@ def test_tiny_expert_parallel(tmp_path):
   for mode in ("fwd", "fwd+bwd"):
     r = rows["mok_jax:ffi", mode]
     assert r["status"] == "ok" and r["ep"] == 2 and r["ms"]["median"] > 0, r
-    assert r["ep_bytes"]["fwd"] == T * k * (2 * H * 4 + 8)  # f32 on a CPU, one other device
+    # f32 on a CPU, whose blocks go whole: T k rows to the one other device
+    assert r["ep_bytes"]["fwd"] == T * k * (2 * H * 4 + 8)
+    assert r["ep_bytes"]["all_gather_fwd"] == T * (H * 4 + 8 * k) + T * H * 4
     peer = rows["jax.ragged_dot", mode]
     assert peer["status"] == "unavailable" and "no expert parallelism" in peer["reason"]
   assert "expert parallelism over 2 devices" in proc.stdout

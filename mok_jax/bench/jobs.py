@@ -18,10 +18,12 @@ import traceback
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mok_jax.bench import clocks, inputs, peers, timing
 from mok_jax.bench.records import env_vars, failed, failure, measure, resolve_dtype, stage
 from mok_jax.bench.shapes import Shape
+from mok_jax.expert_parallel import DENSE_PLATFORMS
 
 PEAK_N_GPU, PEAK_N_CPU = 8192, 1024  # 8192^3 saturates an H100/H200 (1.4 ms in bf16)
 JNP = {"bf16": jnp.bfloat16, "f32": jnp.float32}
@@ -97,12 +99,22 @@ def _peak(job: dict):
   yield _record(record, device)
 
 
-def ep_bytes(shape: Shape, ep: int, b: int) -> dict:
-  """Bytes a device sends the others a call under --ep (dropless blocks of T k rows to each):
-  token rows, ids and weights out and route outputs back; then dy out, dx and dweights back."""
-  rows = (ep - 1) * shape.T * shape.k
-  fwd = rows * (2 * shape.H * b + 8)
-  return {"fwd": fwd, "fwd+bwd": fwd + rows * (2 * shape.H * b + 4)}
+def ep_bytes(shape: Shape, ep: int, b: int, experts, ragged: bool) -> dict:
+  """Bytes a device sends the others a call under --ep, the mean over devices: token rows, ids
+  and weights out and route outputs back; then dy out, dx and dweights back. ragged (GPUs:
+  jax.lax.ragged_all_to_all): only its routes to other devices' experts; else (XLA:CPU) whole
+  blocks of T k rows to each. "all_gather_*": what the all-gather design that the routed layer
+  replaced would move (every token row to every device, f32 partial outputs reduce-scattered;
+  the backward the same for dy and dx), for comparison; not run."""
+  T, H, k = shape.T, shape.H, shape.k
+  ids = np.asarray(experts).reshape(ep, T * k)
+  owner = np.where((ids >= 0) & (ids < shape.E), ids // (shape.E // ep), -1)
+  off = (owner >= 0) & (owner != np.arange(ep)[:, None])
+  rows = float(off.sum(axis=1).mean()) if ragged else (ep - 1) * T * k
+  fwd = rows * (2 * H * b + 8)
+  gather = (ep - 1) * T * (H * b + 8 * k) + (ep - 1) * T * H * 4
+  return {"fwd": fwd, "fwd+bwd": fwd + rows * (2 * H * b + 4),
+          "all_gather_fwd": gather, "all_gather_fwd+bwd": gather + 2 * (ep - 1) * T * H * 4}
 
 
 def _moe(job: dict):
@@ -120,7 +132,8 @@ def _moe(job: dict):
     return
   common["load"] = inputs.load_stats(sets[0][1], shape.E)
   if ep > 1:
-    common["ep_bytes"] = ep_bytes(shape, ep, jnp.dtype(JNP[dtype]).itemsize)
+    common["ep_bytes"] = ep_bytes(shape, ep, jnp.dtype(JNP[dtype]).itemsize, sets[0][1],
+                                  ragged=device["platform"] not in DENSE_PLATFORMS)
   for mode in modes:
     record = dict(mode=mode, note=note.get(mode) if isinstance(note, dict) else note, **common)
     record.update((yield from measure(mode, job, lambda: _compiled(layer, mode, params, sets),
