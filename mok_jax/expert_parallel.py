@@ -4,9 +4,9 @@ route's output comes back to its one home slot (t, j).
 `plan` lays a rank's routes out in (P, C) send slots, on every rank from its own routing and
 with no host sync: its routes to rank d in ascending (t, j), in block d, C slots a block (C =
 Config.ep_capacity, or T k: dropless). An all-to-all of those blocks (`exchange`, which moves
-only the rows that hold routes) hands rank d
-every rank's rows for its experts, source rank by source rank, so that rank d sees them in
-global token order, as one device does; rows that stay home do not leave the device. Its
+only the rows that hold routes) hands rank d every rank's rows for its experts, source rank by
+source rank, so that rank d sees them in global token order, as one device does; rows that
+stay home do not leave the device. Its
 experts run on exactly those rows, each a token of one route of weight 1: the result is each
 route's unweighted output, with the bits one device gives it. The reverse exchange brings
 each output to its home slot, and the home rank sums its k slots in j order, then the shared
