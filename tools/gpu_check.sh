@@ -42,8 +42,9 @@ for stage in "$@"; do
     sanitize)
       SANITIZE_LOGS="$out/sanitize" timeout "$limit" bash tools/sanitize.sh ${arg//,/ } ;;
     bench)
+      args=${arg:---impls cuda,jax,tokamax,torch --mode-timeout 30}
       # shellcheck disable=SC2086  # ARGS are words
-      timeout "$limit" python3 -m mok_jax.bench ${arg:---impls cuda,jax,tokamax,torch --mode-timeout 30} \
+      timeout "$limit" python3 -m mok_jax.bench $args \
         --out "$out/bench.jsonl" --logs "$out/bench-logs" \
         > "$out/bench.txt" 2>&1
       rc=$?; tail -20 "$out/bench.txt"; (exit $rc) ;;
