@@ -487,7 +487,7 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
   // Both roles walk the same tiles in the same order; `it` keeps their stages in step.
   std::conditional_t<Kind0::kRuns, StageRing, uint32_t> it{};
   if constexpr (kProducer) {
-    if (Kind0::kTmaStore) RunStorer<Kind0, kSlots>(c, st);
+    RunStorer<Kind0, kSlots>(c, st);
     if (threadIdx.x == 0)
       RunScheduler<Kind0, Kind1, kSlots, kClusterM>(c, st, tile_start, rank, it);
   } else {
