@@ -23,7 +23,7 @@ import numpy as np
 from mok_jax.bench import clocks, inputs, peers, timing
 from mok_jax.bench.records import env_vars, failed, failure, measure, resolve_dtype, stage
 from mok_jax.bench.shapes import Shape
-from mok_jax.expert_parallel import DENSE_PLATFORMS
+from mok_jax import expert_parallel
 
 PEAK_N_GPU, PEAK_N_CPU = 8192, 1024  # 8192^3 saturates an H100/H200 (1.4 ms in bf16)
 JNP = {"bf16": jnp.bfloat16, "f32": jnp.float32}
@@ -107,10 +107,13 @@ def ep_bytes(shape: Shape, ep: int, b: int, experts, ragged: bool) -> dict:
   replaced would move (every token row to every device, f32 partial outputs reduce-scattered;
   the backward the same for dy and dx), for comparison; not run."""
   T, H, k = shape.T, shape.H, shape.k
-  ids = np.asarray(experts).reshape(ep, T * k)
-  owner = np.where((ids >= 0) & (ids < shape.E), ids // (shape.E // ep), -1)
-  off = (owner >= 0) & (owner != np.arange(ep)[:, None])
-  rows = float(off.sum(axis=1).mean()) if ragged else (ep - 1) * T * k
+  if ragged:  # the rows the layer's own send layout puts in the other devices' blocks
+    ids = np.asarray(experts).reshape(ep, T, k)
+    sent = [np.asarray(expert_parallel.plan(ids[d], shape.E // ep, ep, T * k).sent)
+            for d in range(ep)]
+    rows = float(np.mean([s.sum() - s[d] for d, s in enumerate(sent)]))
+  else:
+    rows = (ep - 1) * T * k
   fwd = rows * (2 * H * b + 8)
   gather = (ep - 1) * T * (H * b + 8 * k) + (ep - 1) * T * H * 4
   return {"fwd": fwd, "fwd+bwd": fwd + rows * (2 * H * b + 4),
@@ -132,8 +135,8 @@ def _moe(job: dict):
     return
   common["load"] = inputs.load_stats(sets[0][1], shape.E)
   if ep > 1:
-    common["ep_bytes"] = ep_bytes(shape, ep, jnp.dtype(JNP[dtype]).itemsize, sets[0][1],
-                                  ragged=device["platform"] not in DENSE_PLATFORMS)
+    ragged = device["platform"] not in expert_parallel.DENSE_PLATFORMS
+    common["ep_bytes"] = ep_bytes(shape, ep, jnp.dtype(JNP[dtype]).itemsize, sets[0][1], ragged)
   for mode in modes:
     record = dict(mode=mode, note=note.get(mode) if isinstance(note, dict) else note, **common)
     record.update((yield from measure(mode, job, lambda: _compiled(layer, mode, params, sets),
