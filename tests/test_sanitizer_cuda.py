@@ -1,7 +1,8 @@
 """compute-sanitizer over the CUDA forward and backward on small cases (tools/sanitize.sh): no
 out-of-bounds or misaligned access (memcheck), no read of device memory that nothing wrote
 (initcheck), no shared-memory race (racecheck), in the kernels or in what XLA runs around
-them."""
+them. Where initcheck cannot see the bytes of TMA stores, the script lists its reports at the
+plain loads of TMA-stored rows apart (tools/README.md) and fails on any other."""
 
 from __future__ import annotations
 
@@ -26,4 +27,4 @@ def test_sanitizer_clean(tool, tmp_path):
                         timeout=900)
   log = (tmp_path / f"{tool}.log").read_text() if (tmp_path / f"{tool}.log").exists() else ""
   assert done.returncode == 0, done.stdout + log[-6000:]
-  assert "SUMMARY: 0 " in log
+  assert "SUMMARY: " in log, "the tool stopped before its summary"
