@@ -311,7 +311,7 @@ __device__ __forceinline__ void RunScheduler(const ChainParams& c, ChainStorage<
     if (i < 0) break;
     WithSlot<kSlots>(i, [&](auto s) __attribute__((always_inline)) {
       constexpr int kSlot = decltype(s)::value;
-      if (c.wait_base[kSlot] >= 0 && !tile.absent) {
+      if (c.wait_base[kSlot] >= 0 && tile.pairing != Pairing::kAbsent) {
         // A is rows that another slot of this launch writes: wait for all of that slot's
         // column tiles of this row tile. Every tile handed out before this one is running
         // or done, and a waited-on tile waits on nothing itself: no deadlock, whatever the
@@ -346,7 +346,7 @@ __device__ __forceinline__ void RunConsumer(const ChainParams& c, ChainStorage<K
     BarrierArrive(&cs.slot_empty[slot]);
     if (i < 0) break;
     const int wg = thread / 128;
-    if (kClusterM > 1 && tile.absent) {
+    if (kClusterM > 1 && tile.pairing == Pairing::kAbsent) {
       SkipSteps<Kind0, kClusterM>(smem, tile.num_k, wg, thread % 128 == 0, it);
       continue;
     }

@@ -123,12 +123,13 @@ __device__ __forceinline__ void Advance(StageRing& r, int s, bool fixed) {
 // Producer: one thread issues every TMA of the tile. `it`: where the tile's k-steps find their
 // stages and phases (StageOf), continued across the tiles of this CTA.
 //
-// In clusters of kClusterM = 2 (ScheduleUnit), a tile that shares B (shared_b) loads its
-// rank's half of B's k-tile (kSwiGLU: rank 0 the w_gate columns, rank 1 the w_up ones)
-// multicast to both CTAs, whose stages then take in the same bytes as alone; a tile that
-// shares A (shared_a) takes its A from rank 0's load, multicast to both; an absent tile
-// loads nothing but still completes each stage's phase. Every CTA's `empty` barriers count the
-// consumers of both (MmaSteps), so both producers refill a stage only once both have read it.
+// In clusters of kClusterM = 2 (ScheduleUnit), a tile that shares B (Pairing::kSharesB)
+// loads its rank's half of B's k-tile (kSwiGLU: rank 0 the w_gate columns, rank 1 the w_up
+// ones) multicast to both CTAs, whose stages then take in the same bytes as alone; a tile that
+// shares A (kSharesA) takes its A from rank 0's load, multicast to both; an absent tile
+// (kAbsent) loads nothing but still completes each stage's phase. Every CTA's `empty` barriers
+// count the consumers of both (MmaSteps), so both producers refill a stage only once both have
+// read it.
 template <class Kind, int kClusterM = 1, class Smem, class Ring>
 __device__ __forceinline__ void LoadTile(const GemmParams& p, const GemmTile& tile, Smem& smem,
                                          int rank, Ring& it) {
@@ -156,7 +157,7 @@ __device__ __forceinline__ void LoadTile(const GemmParams& p, const GemmTile& ti
   const CUtensorMap* a_map = half_a ? &p.a_half : &p.a;
   const CUtensorMap* b0_map = half_b ? &p.b0_half : &p.b0;
   const CUtensorMap* b1_map = half_b ? &p.b1_half : &p.b1;
-  if (kClusterM > 1 && tile.absent) {
+  if (kClusterM > 1 && tile.pairing == Pairing::kAbsent) {
     for (int kt = 0; kt < tile.num_k; ++kt) {
       const int s = StageOf<Kind>(it, kt, fixed);
       BarrierWait(&smem.empty[s], PhaseOf<Kind>(it, s) ^ 1);
@@ -165,8 +166,8 @@ __device__ __forceinline__ void LoadTile(const GemmParams& p, const GemmTile& ti
     }
     return;
   }
-  const bool shared_b = kClusterM > 1 && tile.shared_b;
-  const bool shared_a = kClusterM > 1 && tile.shared_a;
+  const bool shared_b = kClusterM > 1 && tile.pairing == Pairing::kSharesB;
+  const bool shared_a = kClusterM > 1 && tile.pairing == Pairing::kSharesA;
   constexpr uint16_t kBoth = 0x3;
   for (int kt = 0; kt < tile.num_k; ++kt) {
     const int s = StageOf<Kind>(it, kt, fixed);

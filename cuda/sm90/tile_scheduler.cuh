@@ -15,6 +15,13 @@
 
 namespace mok::sm90 {
 
+// What a CTA's tile shares with its peer's in a cluster of two (ScheduleUnit). kSharesB: a
+// pair of row tiles of one column tile, each CTA loading half of B for both. kSharesA: two
+// column tiles of one row tile, whose A (the same k-tiles) rank 0 loads for both. kAbsent: the
+// CTA has no tile in the unit; it walks the unit's k-steps to keep its pipeline in step with
+// the peer's.
+enum class Pairing : uint8_t { kNone, kSharesB, kSharesA, kAbsent };
+
 struct GemmTile {
   int64_t m0;       // first row (kRowsByGroup: routed row; kGroupedK: row of C_g)
   int n_tile;       // column tile: kBlockN columns (kSwiGLU: kBlockN / 2 of each of gate, up)
@@ -28,14 +35,7 @@ struct GemmTile {
   int row_tile;     // kRowsByGroup: the row tile among all groups' (ScanGroupTiles numbering)
   bool half;        // only rows [m0, m0 + 64) are the group's
   bool narrow;      // only the first half of the tile's columns are in range
-  // In clusters of two (ScheduleUnit): the CTA has no tile in this unit (it walks the unit's
-  // k-steps to keep its pipeline in step with the peer's), or the two CTAs' tiles share B,
-  // each loading half of it for both.
-  bool absent;
-  bool shared_b;
-  // Clusters of two, two column tiles of one row tile: both CTAs' A is the same k-tiles, which
-  // rank 0 loads for both.
-  bool shared_a;
+  Pairing pairing;  // in clusters of two (ScheduleUnit): what the tile shares with the peer's
   // kTail: kTailRows of the group's tail rows, [m0 + tail_at, m0 + tail_at + kTailRows), ride
   // in this tile; tail_last: the group's last tail, after which its padding rows get zeros.
   bool tail;
@@ -195,9 +195,7 @@ __device__ __forceinline__ GemmTile BlankTile() {
   GemmTile t;
   t.half = false;
   t.narrow = false;
-  t.absent = false;
-  t.shared_b = false;
-  t.shared_a = false;
+  t.pairing = Pairing::kNone;
   t.tail = false;
   t.tail_last = false;
   t.tail_at = 0;
@@ -320,13 +318,15 @@ __device__ __forceinline__ GemmTile ScheduleUnit(const GemmParams& p, const int3
     const RasterPos pos = Raster(local, pairs, p.n_tiles, max(1, p.raster_rows / 2));
     PlaceRowTile<kBlockK, kTileCols>(p, offsets, tail_first, first, rows, 2 * pos.row + rank,
                                      pos.col, t);
-    t.shared_b = !t.narrow;
+    t.pairing = t.narrow ? Pairing::kNone : Pairing::kSharesB;
   } else {
     const int col = 2 * static_cast<int>(local - pairs * p.n_tiles) + rank;
     PlaceRowTile<kBlockK, kTileCols>(p, offsets, tail_first, first, rows, rows - 1,
                                      min(col, p.n_tiles - 1), t);
-    t.absent = col >= p.n_tiles;
-    t.shared_a = (col | 1) < p.n_tiles;  // the unit's second column tile exists
+    // Rank 1 past the last column tile has none; else the unit's second column tile exists.
+    t.pairing = col >= p.n_tiles        ? Pairing::kAbsent
+                : (col | 1) < p.n_tiles ? Pairing::kSharesA
+                                        : Pairing::kNone;
   }
   return t;
 }
