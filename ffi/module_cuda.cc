@@ -1,10 +1,73 @@
-// Python module mok_jax._mok_cuda: the CUDA targets as capsules for jax.ffi.register_ffi_target.
+// Python module mok_jax._mok_cuda: the CUDA targets as capsules for jax.ffi.register_ffi_target,
+// the symmetric workspaces of expert parallelism (mok_jax.Workspace) and the NVLink
+// transport's self-test.
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "../cuda/ep_transport.h"
 #include "capsule.h"
+#include "ep_transport_selftest.h"
 #include "moe_cuda.h"
+#include "workspace_cuda.h"
 
 namespace nb = nanobind;
+
+namespace {
+
+template <class T>
+using HostArray = nb::ndarray<const T, nb::c_contig, nb::device::cpu>;
+
+// A NumPy array that owns `values`, of shape `shape`.
+template <class T>
+nb::object ToNumpy(std::vector<T>&& values, std::vector<size_t> shape) {
+  auto* heap = new std::vector<T>(std::move(values));
+  nb::capsule owner(heap, [](void* p) noexcept { delete static_cast<std::vector<T>*>(p); });
+  return nb::cast(nb::ndarray<nb::numpy, T>(heap->data(), shape.size(), shape.data(), owner));
+}
+
+const char* StatusName(mok::cuda::WorkspaceStatus status) {
+  using S = mok::cuda::WorkspaceStatus;
+  switch (status) {
+    case S::kOk: return "ok";
+    case S::kBadArgument: return "bad_argument";
+    case S::kOutOfMemory: return "out_of_memory";
+    case S::kNoPeerAccess: return "no_peer_access";
+    case S::kCudaError: return "cuda_error";
+  }
+  return "cuda_error";
+}
+
+mok::cuda::EpLayout LayoutOf(const nb::dict& d) {
+  mok::cuda::EpLayout l{};
+  auto get = [&](const char* name) { return nb::cast<int64_t>(d[name]); };
+  l.recv_rows = get("recv_rows"), l.combine_slots = get("combine_slots");
+  l.recv_route = get("recv_route"), l.recv_expert = get("recv_expert");
+  l.counts = get("counts"), l.flags = get("flags"), l.sync = get("sync");
+  l.bytes = get("bytes");
+  return l;
+}
+
+template <class T>
+void CheckShape(const char* name, const std::vector<size_t>& want, const HostArray<T>& a) {
+  bool same = a.ndim() == want.size();
+  for (size_t i = 0; same && i < a.ndim(); ++i) same = a.shape(i) == want[i];
+  if (!same) throw std::invalid_argument(std::string("ep_transport_selftest: ") + name +
+                                         " has the wrong shape");
+}
+
+}  // namespace
 
 NB_MODULE(_mok_cuda, m) {
   m.def("registrations", []() {
@@ -14,4 +77,90 @@ NB_MODULE(_mok_cuda, m) {
     targets["mok_moe_combine"] = mok::Capsule(MokMoeCombineCuda);
     return targets;
   });
+
+  // (handle, status, message): handle > 0 and status "ok", or 0 and what failed.
+  m.def("workspace_create", [](const std::vector<int>& devices, int64_t bytes) {
+    int64_t handle = 0;
+    std::string message;
+    const auto status = mok::cuda::WorkspaceCreate(devices, bytes, &handle, &message);
+    return std::make_tuple(handle, std::string(StatusName(status)), message);
+  });
+  m.def("workspace_free", [](int64_t handle) { return mok::cuda::WorkspaceFree(handle); });
+  m.def("workspace_info", [](int64_t handle) {
+    mok::cuda::WorkspaceInfo info;
+    if (!mok::cuda::WorkspaceLookup(handle, &info))
+      throw std::invalid_argument("no workspace has handle " + std::to_string(handle));
+    std::vector<int> devices;
+    std::vector<uintptr_t> bases, peers;
+    for (const auto& r : info.ranks) {
+      devices.push_back(r.device);
+      bases.push_back(reinterpret_cast<uintptr_t>(r.base));
+      peers.push_back(reinterpret_cast<uintptr_t>(r.peers));
+    }
+    nb::dict d;
+    d["bytes"] = info.bytes, d["stride"] = info.stride, d["devices"] = devices;
+    d["bases"] = bases, d["peers"] = peers;
+    return d;
+  });
+
+  m.def("ep_transport_constants", []() {
+    nb::dict d;
+    d["stages"] = static_cast<int>(mok::cuda::kEpStages);
+    d["sync_bytes"] = mok::cuda::kEpSyncBytes;
+    d["wait_bound_ns"] = mok::cuda::kEpWaitBoundNs;
+    d["max_ranks"] = mok::cuda::kEpMaxRanks;
+    d["max_local_experts"] = mok::cuda::kEpMaxLocalExperts;
+    return d;
+  });
+
+  m.def(
+      "ep_transport_selftest",
+      [](int64_t handle, const nb::dict& layout, int64_t C, HostArray<uint16_t> x,
+         HostArray<int32_t> experts, std::optional<HostArray<float>> weights,
+         HostArray<float> scales, bool graph, int silent_rank, uint64_t wait_bound_ns) {
+        if (x.ndim() != 4 || experts.ndim() != 4 || scales.ndim() != 1)
+          throw std::invalid_argument(
+              "ep_transport_selftest: x (R, P, T, H), experts (R, P, T, k), scales (E)");
+        mok::cuda::EpSelftestArgs a;
+        a.handle = handle, a.layout = LayoutOf(layout);
+        const size_t R = x.shape(0), P = x.shape(1), T = x.shape(2), H = x.shape(3);
+        const size_t k = experts.shape(3), E = scales.shape(0);
+        CheckShape("experts", {R, P, T, k}, experts);
+        if (weights) CheckShape("weights", {R, P, T, k}, *weights);
+        mok::cuda::WorkspaceInfo info;
+        if (!mok::cuda::WorkspaceLookup(handle, &info) || info.ranks.size() != P)
+          throw std::invalid_argument(
+              "ep_transport_selftest: x's second axis must be the workspace's ranks");
+        a.T = static_cast<int64_t>(T), a.H = static_cast<int64_t>(H), a.C = C;
+        a.k = static_cast<int>(k), a.E = static_cast<int>(E), a.rounds = static_cast<int>(R);
+        a.graph = graph, a.silent_rank = silent_rank, a.wait_bound_ns = wait_bound_ns;
+        a.x = x.data(), a.experts = experts.data(), a.scales = scales.data();
+        a.weights = weights ? weights->data() : nullptr;
+        mok::cuda::EpSelftestResult out;
+        std::string error;
+        {
+          nb::gil_scoped_release release;
+          error = mok::cuda::EpTransportSelftest(a, &out);
+        }
+        if (!error.empty()) throw std::runtime_error("ep_transport_selftest: " + error);
+        const size_t rows = P * static_cast<size_t>(C), per = 1 + E / P;
+        nb::dict d;
+        d["recv_rows"] = ToNumpy(std::move(out.recv_rows), {R, P, rows, H});
+        d["recv_route"] = ToNumpy(std::move(out.recv_route), {R, P, rows});
+        d["recv_expert"] = ToNumpy(std::move(out.recv_expert), {R, P, rows});
+        d["counts"] = ToNumpy(std::move(out.counts), {R, P, P, per});
+        d["route"] = ToNumpy(std::move(out.route), {R, P, rows});
+        d["slot"] = ToNumpy(std::move(out.slot), {R, P, T, k});
+        d["sent"] = ToNumpy(std::move(out.sent), {R, P, P});
+        d["need"] = ToNumpy(std::move(out.need), {R, P, P});
+        d["y"] = ToNumpy(std::move(out.y), {R, P, T, H});
+        d["epochs"] = ToNumpy(std::move(out.epochs), {P, static_cast<size_t>(mok::cuda::kEpStages)});
+        return d;
+      },
+      nb::arg("handle"), nb::arg("layout"), nb::arg("capacity"), nb::arg("x"),
+      nb::arg("experts"), nb::arg("weights").none(), nb::arg("scales"), nb::arg("graph") = false,
+      nb::arg("silent_rank") = -1, nb::arg("wait_bound_ns") = mok::cuda::kEpWaitBoundNs,
+      "Runs the NVLink transport's P ranks of workspace `handle` for R rounds (see "
+      "ffi/ep_transport_selftest.h); x is bf16 as uint16 bits. Returns each rank's results "
+      "after each round, (R, P, ...).");
 }

@@ -9,6 +9,7 @@
 from mok_jax.config import Config
 from mok_jax.functional import moe, route
 from mok_jax.quantize import quantize_experts
+from mok_jax.workspace import Workspace
 
-__all__ = ["Config", "moe", "quantize_experts", "route"]
+__all__ = ["Config", "Workspace", "moe", "quantize_experts", "route"]
 __version__ = "0.1.0"

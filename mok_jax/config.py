@@ -31,8 +31,8 @@ class Config:
       differentiated (inference), the layer's forward keeps neither whatever this knob says.
     ep_transport: how expert parallelism (`moe(..., axis_name=...)`) moves the routed rows.
       "collective": XLA's ragged all-to-all (mok_jax.expert_parallel); "auto": the best transport
-      there is, today "collective"; "nvlink" (the CUDA kernels' own, over NVLink) is not
-      available yet and raises.
+      there is, today "collective"; "nvlink" (the CUDA kernels' own, over NVLink, on a
+      `mok_jax.Workspace`: docs/expert_parallel.md) is not wired into the layer yet and raises.
     ep_capacity: None (dropless, the default) or the most routed rows that one rank sends to
       another in one call. Each rank's send and receive buffers hold P * C rows of H (P ranks,
       C = ep_capacity, or T k without it: every route of a rank to one rank). A call that needs

@@ -229,8 +229,10 @@ def routed_moe(x, experts, weights, w_gate, w_up, w_down, shared, *, pieces, axi
   XlaPieces or FfiPieces; axis_name: the shard_map axis of the experts, or None (one rank).
   """
   if config.ep_transport == "nvlink" and axis_name is not None:
-    raise ValueError("moe: Config(ep_transport='nvlink') is not available yet: the CUDA "
-                     "kernels' own NVLink transport is still to come; use 'collective' or 'auto'")
+    raise ValueError("moe: Config(ep_transport='nvlink') is not available yet: its symmetric "
+                     "workspace (mok_jax.Workspace) and transport kernels exist but no custom "
+                     "call runs them in the layer (docs/expert_parallel.md); use 'collective' "
+                     "or 'auto'")
   n_ranks = 1 if axis_name is None else int(jax.lax.axis_size(axis_name))
   T, k = experts.shape
   C = capacity(T, k, config)
