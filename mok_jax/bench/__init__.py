@@ -2,6 +2,6 @@
 backend and the peers a JAX user would pick instead (jax.lax.ragged_dot, tokamax.ragged_dot,
 torch._grouped_mm), against the dense-matmul peak measured in the same run.
 
-Imports point one way: __main__ -> report, runner -> jobs -> torch_peer, peers, inputs ->
-records -> timing, clocks.
+Imports point one way: __main__ -> report, runner; the workers' jobs -> torch_peer -> inputs,
+timing -> clocks; any of them -> shapes.
 """

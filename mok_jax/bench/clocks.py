@@ -1,7 +1,7 @@
-"""The GPU's SM clock, power and energy while a timing runs (nvidia-smi, NVML). An H200 held
-busy reaches its 700 W limit and lowers its SM clock from 1980 to 1290-1620 MHz, so a record
-carries the clock of its own timing. Run as a script, this file is the energy poller (it imports
-nothing of mok_jax, so it starts in tens of milliseconds).
+"""The GPU's SM clock, power and energy while a timing runs. A GPU held busy at its power cap
+lowers its SM clock (an H200 from 1980 to 1290-1620 MHz), so a record carries the clock and the
+joules of its own timed calls: nvidia-smi samples the clock and draw; this file, run as a script
+(it imports nothing of mok_jax, so it starts quickly), polls NVML's energy counter.
 """
 
 from __future__ import annotations
@@ -29,26 +29,21 @@ def gpu_index(visible: str | None = None) -> str:
 
 
 def parse(text: str, since: float | None = None, until: float | None = None) -> dict | None:
-  """nvidia-smi's csv lines of QUERY -> medians and ranges of the samples from `since` to
-  `until` (time.time(); either open); lines such as "[N/A]" are left out."""
+  """nvidia-smi's csv lines of QUERY from `since` to `until` (time.time(); either open) -> the
+  median clock and draw; lines such as "[N/A]" are left out."""
   mhz, watts = [], []
   for line in text.splitlines():
     fields = [f.strip() for f in line.split(",")]
-    if len(fields) != 3:
-      continue
     try:
       at = datetime.datetime.strptime(fields[0], TIMESTAMP).timestamp()
-      m, w = float(fields[1]), float(fields[2])
-    except ValueError:
+      m, w = map(float, fields[1:])
+    except ValueError:  # not three fields, or "[N/A]"
       continue
     if (since is None or at >= since) and (until is None or at <= until):
       mhz.append(m)
       watts.append(w)
-  if not mhz:
-    return None
-  return {"sm_mhz": statistics.median(mhz), "sm_mhz_min": min(mhz), "sm_mhz_max": max(mhz),
-          "power_w": round(statistics.median(watts), 1), "power_w_max": max(watts),
-          "samples": len(mhz)}
+  return {"sm_mhz": statistics.median(mhz), "power_w": round(statistics.median(watts), 1),
+          "samples": len(mhz)} if mhz else None
 
 
 def energy_between(steps: list[tuple[float, int]], t0: float, t1: float) -> float | None:
@@ -99,19 +94,17 @@ def _finish(proc) -> str:
 
 @contextlib.contextmanager
 def sampling(out: dict, key: str):
-  """Samples the GPU while the block runs; out[key] = parse(...) of the samples from the last
-  call of the yielded `mark` (timing's on_timed: the timed calls', not the warm-up's, in which
-  dsv3's first b2b calls left the GPU near idle for seconds) to the end, or of the whole block
-  (`whole_block`) when none came after it; with `energy_j` over `block_s` where NVML counts it.
-  Without nvidia-smi or a sample, out stays as it is: the timing never depends on this."""
-  exe = shutil.which("nvidia-smi")
-  smi = exe and _start([exe, "-i", gpu_index(), f"--query-gpu={QUERY}",
+  """Samples the GPU while the block runs: out[key] = parse(...) of the samples from the last
+  call of the yielded `mark` (timing's on_timed: the timed calls, not the warm-up) to the end,
+  with `energy_j` over `block_s` where NVML counts it. Without nvidia-smi or a sample, out stays
+  as it is: the timing never depends on this."""
+  exe, visible = shutil.which("nvidia-smi"), gpu_index()
+  smi = exe and _start([exe, "-i", visible, f"--query-gpu={QUERY}",
                         "--format=csv,noheader,nounits", "-lms", str(PERIOD_MS)])
   if not smi:
     yield lambda: None
     return
-  poller = _start(poller_args(gpu_index()))
-  start = {}
+  poller, start = _start(poller_args(visible)), {}
 
   def mark():
     start.update(at=time.monotonic(), wall=time.time())
@@ -122,43 +115,10 @@ def sampling(out: dict, key: str):
   finally:
     end, end_wall = time.monotonic(), time.time()
     energy = energy_between(parse_steps(_finish(poller)), start["at"], end)
-    text = _finish(smi)
-    found = parse(text, since=start["wall"], until=end_wall)
-    if found is None and (found := parse(text)):
-      found["whole_block"] = True
-    if found:
+    if found := parse(_finish(smi), since=start["wall"], until=end_wall):
       if energy is not None:
         found.update(energy_j=round(energy, 3), block_s=round(end - start["at"], 4))
       out[key] = found
-
-
-def energy_reader(visible: str | None = None):
-  """(read, close) of NVML's nvmlDeviceGetTotalEnergyConsumption (mJ since the driver loaded)
-  for the job's GPU, on one open handle; None without NVML or the counter."""
-  try:
-    nvml = ctypes.CDLL("libnvidia-ml.so.1")
-    if nvml.nvmlInit_v2() != 0:
-      return None
-  except (OSError, AttributeError):
-    return None
-  handle, mj, which = ctypes.c_void_p(), ctypes.c_ulonglong(), gpu_index(visible)
-  try:
-    if which.isdigit():
-      found = nvml.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(int(which)), ctypes.byref(handle))
-    else:
-      found = nvml.nvmlDeviceGetHandleByUUID(which.encode(), ctypes.byref(handle))
-    ok = found == 0 and nvml.nvmlDeviceGetTotalEnergyConsumption(handle, ctypes.byref(mj)) == 0
-  except AttributeError:
-    ok = False
-  if not ok:
-    nvml.nvmlShutdown()  # each successful init is matched
-    return None
-
-  def read() -> int | None:
-    ok = nvml.nvmlDeviceGetTotalEnergyConsumption(handle, ctypes.byref(mj)) == 0
-    return mj.value if ok else None
-
-  return read, nvml.nvmlShutdown
 
 
 def energy_changes(read):
@@ -172,16 +132,24 @@ def energy_changes(read):
 
 
 def poll_energy(visible: str) -> None:
-  """Prints "monotonic-seconds mJ" lines until terminated or the counter fails."""
-  reader = energy_reader(visible)
-  if reader is None:
-    return
-  read, close = reader
+  """Prints "monotonic-seconds mJ" lines of NVML's energy counter (mJ since the driver loaded)
+  for GPU `visible` (an index or a UUID) until terminated; nothing without NVML or the counter."""
   try:
-    for at, mj in energy_changes(read):
-      print(f"{at:.6f} {mj}", flush=True)
+    nvml = ctypes.CDLL("libnvidia-ml.so.1")
+  except OSError:
+    return
+  if nvml.nvmlInit_v2() != 0:
+    return
+  handle, mj = ctypes.c_void_p(), ctypes.c_ulonglong()
+  try:
+    found = (nvml.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(int(visible)), ctypes.byref(handle))
+             if visible.isdigit() else
+             nvml.nvmlDeviceGetHandleByUUID(visible.encode(), ctypes.byref(handle)))
+    ok = lambda: nvml.nvmlDeviceGetTotalEnergyConsumption(handle, ctypes.byref(mj)) == 0
+    for at, value in energy_changes(lambda: mj.value if found == 0 and ok() else None):
+      print(f"{at:.6f} {value}", flush=True)
   finally:
-    close()
+    nvml.nvmlShutdown()
 
 
 if __name__ == "__main__":

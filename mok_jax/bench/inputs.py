@@ -8,7 +8,6 @@ that JAX and PyTorch (torch_peer.uniform) make the same values and checksums com
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -18,42 +17,27 @@ import mok_jax
 
 MASK32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B1
-FMIX = (0x85EBCA6B, 0xC2B2AE35)
-W_GATE, W_UP, W_DOWN, WS_GATE, WS_UP, WS_DOWN = range(1, 7)  # tensor ids in the salt
 
 
-def x_id(i: int) -> int:
-  return 100 + 2 * i
-
-
-def dy_id(i: int) -> int:
-  return 101 + 2 * i
-
-
-def salt(seed: int, tensor_id: int) -> int:
-  h = (seed * 0x27D4EB2F + tensor_id * 0x165667B1) & MASK32
-  h ^= h >> 16
-  h = (h * FMIX[0]) & MASK32
-  h ^= h >> 13
-  h = (h * FMIX[1]) & MASK32
+def fmix(h, mul):
+  """murmur3's finaliser of h, with mul(h, c) = h * c mod 2^32 in the caller's integer type."""
+  h = mul(h ^ (h >> 16), 0x85EBCA6B)
+  h = mul(h ^ (h >> 13), 0xC2B2AE35)
   return h ^ (h >> 16)
 
 
-def half_width(std: float) -> np.float32:
-  """Uniform on [-a, a) has standard deviation a / sqrt(3)."""
-  return np.float32(std * math.sqrt(3.0))
+def salt(seed: int, tensor_id: int) -> int:
+  return fmix((seed * 0x27D4EB2F + tensor_id * 0x165667B1) & MASK32, lambda h, c: h * c & MASK32)
 
 
-def specs(shape) -> list[tuple[int, tuple, float]]:
-  """(tensor id, dims, std) of w_gate, w_up, w_down and the shared expert's: stds that keep the
-  activations O(1), so that no path meets inf or NaN."""
-  H, I, E, Is = shape.H, shape.I, shape.E, shape.Is
-  out = [(W_GATE, (E, H, I), H ** -0.5), (W_UP, (E, H, I), H ** -0.5),
-         (W_DOWN, (E, I, H), I ** -0.5)]
-  if Is:
-    out += [(WS_GATE, (H, Is), H ** -0.5), (WS_UP, (H, Is), H ** -0.5),
-            (WS_DOWN, (Is, H), Is ** -0.5)]
-  return out
+def specs(shape, n_sets: int) -> list[tuple[int, tuple, float]]:
+  """(tensor id, dims, half width) of w_gate, w_up, w_down, then x and dy of each input set.
+  Uniform on [-a, a) has standard deviation a / sqrt(3): the weights' keep the activations O(1),
+  so that no path meets inf or NaN; x's and dy's are 1."""
+  T, H, I, E = shape.T, shape.H, shape.I, shape.E
+  return ([(1, (E, H, I), (3 / H) ** 0.5), (2, (E, H, I), (3 / H) ** 0.5),
+           (3, (E, I, H), (3 / I) ** 0.5)]
+          + [(100 + j, (T, H), 3 ** 0.5) for j in range(2 * n_sets)])
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -62,12 +46,7 @@ def _uniform(dims, dtype, salt_, width):
   index = jnp.zeros(dims, u32)
   for axis, size in enumerate(dims):
     index = index * u32(size) + jax.lax.broadcasted_iota(u32, dims, axis)
-  h = index * u32(GOLDEN) + salt_
-  h = h ^ (h >> 16)
-  h = h * u32(FMIX[0])
-  h = h ^ (h >> 13)
-  h = h * u32(FMIX[1])
-  h = h ^ (h >> 16)
+  h = fmix(index * u32(GOLDEN) + salt_, lambda h, c: h * u32(c))
   unit = (h >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -23) - jnp.float32(1.0)
   return (unit * width).astype(dtype)
 
@@ -104,16 +83,9 @@ def load_stats(experts, E: int) -> dict:
 
 
 def jax_inputs(shape, dtype, seed: int, skew: float, n_sets: int):
-  """((w_gate, w_up, w_down, shared or None), [(x, experts, weights, dy)] * n_sets)."""
-  def make(dims, tensor_id, std=1.0):
-    return uniform(dims, salt(seed, tensor_id), float(half_width(std)), dtype)
-
-  w = [make(dims, tid, std) for tid, dims, std in specs(shape)]
-  params = (*w[:3], tuple(w[3:]) or None)
-  sets = []
-  for i in range(n_sets):
-    experts, weights = routing(shape.T, shape.E, shape.k, seed + 1 + i, skew)
-    sets.append((make((shape.T, shape.H), x_id(i)), jnp.asarray(experts), jnp.asarray(weights),
-                 make((shape.T, shape.H), dy_id(i))))
-  jax.block_until_ready((params, sets))
-  return params, sets
+  """((w_gate, w_up, w_down, None: no shared expert), [(x, experts, weights, dy)] * n_sets)."""
+  w = [uniform(dims, salt(seed, tid), width, dtype) for tid, dims, width in specs(shape, n_sets)]
+  sets = [(w[3 + 2 * i], *map(jnp.asarray, routing(shape.T, shape.E, shape.k, seed + 1 + i, skew)),
+           w[4 + 2 * i]) for i in range(n_sets)]
+  jax.block_until_ready((w[:3], sets))
+  return (*w[:3], None), sets

@@ -1,10 +1,9 @@
-"""A job: the dense-matmul peak, or one implementation's modes on one shape (kind "peak" |
-"moe", impl, shape, modes and runner.Options.knobs). Its events: stages, and a record a mode.
+"""A job in a worker process: the dense-matmul peak, or one implementation's modes on one shape.
 
-`python -m mok_jax.bench.jobs JOB.json EVENTS.jsonl` runs one in a fresh process, appending each
-event as it happens, so that the runner times out each mode on its own. A fresh process gives a
-job its own peak-memory counter (JAX cannot reset one), keeps a crash or a poisoned CUDA context
-to its own modes, and PyTorch off JAX's preallocated pool.
+`python -m mok_jax.bench.jobs JOB.json EVENTS.jsonl` appends each event (a stage, or a mode's
+record) to EVENTS as it happens, so that the runner times out each mode on its own. A fresh
+process gives a job its own peak-memory counter (JAX cannot reset one), keeps a crash or a
+poisoned CUDA context to its own modes, and PyTorch off JAX's preallocated pool.
 """
 
 from __future__ import annotations
@@ -19,14 +18,20 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AxisType, PartitionSpec
 
-from mok_jax.bench import clocks, inputs, peers, timing
-from mok_jax.bench.records import env_vars, failed, failure, measure, resolve_dtype, stage
-from mok_jax.bench.shapes import Shape
-from mok_jax import expert_parallel
+import mok_jax
+from mok_jax import expert_parallel, ops
+from mok_jax.bench import clocks, inputs, timing
+from mok_jax.bench.shapes import Shape, dtype_for
+from mok_jax.bench.timing import failure, stage
 
 PEAK_N_GPU, PEAK_N_CPU = 8192, 1024  # 8192^3 saturates an H100/H200 (1.4 ms in bf16)
 JNP = {"bf16": jnp.bfloat16, "f32": jnp.float32}
+
+
+class Unavailable(Exception):
+  """The implementation cannot run here; str(self) says why (the record's reason)."""
 
 
 def _record(raw: dict, device: dict | None) -> dict:
@@ -35,12 +40,9 @@ def _record(raw: dict, device: dict | None) -> dict:
 
 def iter_job(job: dict):
   """The job's events as they happen; every mode gets a record unless the process dies."""
-  start, done = time.perf_counter(), []
+  done = []
   try:
-    if job["impl"] == "torch._grouped_mm" and job["ep"] > 1:
-      source = (_record(raw, None) for raw in failed(
-          job["modes"], "unavailable", "no expert parallelism in this implementation"))
-    elif job["impl"] == "torch._grouped_mm":
+    if job["impl"] == "torch._grouped_mm":
       from mok_jax.bench import torch_peer  # pylint: disable=import-outside-toplevel
 
       source = torch_peer.run(job)
@@ -49,12 +51,10 @@ def iter_job(job: dict):
     for event in source:
       if event["event"] == "record":
         done.append(event["record"]["mode"])
-        event = dict(event, wall_s=time.perf_counter() - start, env_vars=env_vars())
       yield event
   except Exception as exc:  # pylint: disable=broad-except
-    for raw in failed([m for m in job["modes"] if m not in done], **failure(exc),
-                      detail=traceback.format_exc()[-2000:]):
-      yield dict(_record(raw, None), wall_s=time.perf_counter() - start, env_vars=env_vars())
+    for mode in (m for m in job["modes"] if m not in done):
+      yield _record(dict(mode=mode, **failure(exc), detail=traceback.format_exc()[-2000:]), None)
 
 
 def _device() -> dict:
@@ -73,7 +73,7 @@ def _peak(job: dict):
   """n^3 jnp.dot, back to back: the ceiling of % peak. N(0, 1) inputs: all-zero operands would
   draw less power and clock higher than any real GEMM."""
   device = _device()
-  dtype = resolve_dtype(job["dtype"], device["platform"])
+  dtype = dtype_for(device["platform"])
   n = job["peak_n"] or (PEAK_N_GPU if device["platform"] == "gpu" else PEAK_N_CPU)
   record = {"mode": "dense", "n": n, "dtype": dtype, "flops": 2 * n ** 3,
             "inputs": "normal(0, 1)", "sets": job["sets"]}
@@ -122,25 +122,27 @@ def ep_bytes(shape: Shape, ep: int, b: int, experts, ragged: bool) -> dict:
 
 def _moe(job: dict):
   device = _device()
-  dtype = resolve_dtype(job["dtype"], device["platform"])
+  dtype = dtype_for(device["platform"])
   shape, ep, modes = Shape(**job["shape"]), job["ep"], job["modes"]
   common = {"dtype": dtype}
   try:
-    layer, note = peers.jax_layer(job["impl"], shape, JNP[dtype], ep)
-    yield stage(modes[0], "building inputs")
-    params, sets = inputs.jax_inputs(dataclasses.replace(shape, T=shape.T * ep), JNP[dtype],
-                                     job["seed"], job["skew"], job["sets"])  # T per device
-  except peers.Unavailable as exc:
-    yield from (_record(r, device) for r in failed(modes, "unavailable", str(exc), **common))
+    layer = jax_layer(job["impl"], shape, JNP[dtype], ep)
+  except Unavailable as exc:
+    yield from (_record(dict(mode=m, status="unavailable", reason=str(exc), **common), device)
+                for m in modes)
     return
+  yield stage(modes[0], "building inputs")
+  (*params, _), sets = inputs.jax_inputs(dataclasses.replace(shape, T=shape.T * ep), JNP[dtype],
+                                         job["seed"], job["skew"], job["sets"])  # T per device
   common["load"] = inputs.load_stats(sets[0][1], shape.E)
   if ep > 1:
     ragged = device["platform"] not in expert_parallel.DENSE_PLATFORMS
     common["ep_bytes"] = ep_bytes(shape, ep, jnp.dtype(JNP[dtype]).itemsize, sets[0][1], ragged)
   for mode in modes:
-    record = dict(mode=mode, note=note.get(mode) if isinstance(note, dict) else note, **common)
-    record.update((yield from measure(mode, job, lambda: _compiled(layer, mode, params, sets),
-                                      jax.block_until_ready, _abs_sums, _peak_bytes)))
+    record = dict(mode=mode, **common)
+    record.update((yield from timing.measure(
+        mode, job, lambda: _compiled(layer, mode, params, sets), jax.block_until_ready,
+        _abs_sums, _peak_bytes)))
     record.setdefault("peak_mem_bytes", _peak_bytes())  # a failed mode: the peak as it stands
     gc.collect()
     yield _record(record, device)
@@ -164,6 +166,53 @@ def _compiled(layer, mode: str, params, sets):
 # sum |.| in f32, one jitted reduction an array: no f32 copy of a gradient is made.
 _abs_sums = jax.jit(lambda out: [jnp.sum(jnp.abs(a.astype(jnp.float32)))
                                  for a in jax.tree.leaves(out)])
+
+
+def jax_layer(name: str, shape: Shape, dtype, ep: int = 1):
+  """layer(x, experts, weights, w_gate, w_up, w_down) -> y, as mok_jax.moe, or raises
+  Unavailable. ep > 1: mok_jax's layer in shard_map over ep devices, tokens and experts split."""
+  if not name.startswith("mok_jax:"):
+    if ep > 1:
+      raise Unavailable("no expert parallelism in this implementation")
+    return _peer(name)
+  backend, platform = name.split(":", 1)[1], jax.default_backend()
+  if backend == "cuda" or (backend == "ffi" and platform != "cpu"):
+    dims = ops.MoeDims(shape.T, shape.H, shape.I, shape.E, shape.k, 0)
+    if reason := ops.cuda_unsupported_reason(platform, dtype, dims, mok_jax.Config()):
+      raise Unavailable(reason)
+  layer = lambda *args: mok_jax.moe(*args, backend=backend, axis_name="ep" if ep > 1 else None)
+  if ep == 1:
+    return layer
+  if len(jax.devices()) < ep:
+    raise Unavailable(f"--ep {ep} needs {ep} devices, found {len(jax.devices())}")
+  if shape.E % ep:
+    raise Unavailable(f"--ep {ep} does not divide the {shape.E} experts")
+  mesh = jax.make_mesh((ep,), ("ep",), axis_types=(AxisType.Auto,), devices=jax.devices()[:ep])
+  split = PartitionSpec("ep")  # every argument and y: tokens and experts
+  return jax.shard_map(layer, mesh=mesh, in_specs=split, out_specs=split)
+
+
+def _peer(name: str):
+  """mok_jax's xla layer with its grouped matmul swapped for the peer's, as a user of the peer
+  writes the layer: jax.lax.ragged_dot, or tokamax.ragged_dot letting tokamax pick its kernel."""
+  grouped = jax.lax.ragged_dot
+  if name == "tokamax.ragged_dot":
+    try:
+      import tokamax  # pylint: disable=import-outside-toplevel
+    except Exception as exc:  # pylint: disable=broad-except  # SyntaxError on Python < 3.12, ...
+      raise Unavailable(f"import tokamax failed: {failure(exc)['reason']}") from None
+    grouped = tokamax.ragged_dot
+
+  def ragged_dot(lhs, rhs, group_sizes, preferred_element_type=None, **kwargs):
+    # The product in the operands' dtype, widened after: tokamax's backward rejects a cotangent
+    # of another dtype, and jax.lax.ragged_dot with f32 products ran mixtral's fwd+bwd at half
+    # the rate of bf16 ones (47 against 93 TFLOP/s on an H200).
+    out = grouped(lhs, rhs, group_sizes=group_sizes, **kwargs)
+    return out if preferred_element_type is None else out.astype(preferred_element_type)
+
+  pieces = expert_parallel.XlaPieces(ragged_dot=ragged_dot)
+  return lambda *args: expert_parallel.routed_moe(*args, None, pieces=pieces, axis_name=None,
+                                                  config=mok_jax.Config())
 
 
 def main(argv: list[str]) -> int:

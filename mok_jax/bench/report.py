@@ -1,25 +1,22 @@
 """Derived figures (TFLOP/s, % of the run's dense peak, speed-up over the best peer, checksum
-agreement, joules a call), the table, the JSON lines and the chart. Figures are derived whenever
-records are reported, so that `--report FILE` shows any file of records again.
-"""
+agreement, joules a call), the table and the chart. Figures are derived whenever records are
+reported, so that `--report FILE` shows a file of records again."""
 
 from __future__ import annotations
 
 import json
-import math
 import os
 
-from mok_jax.bench.peers import IMPLS
-from mok_jax.bench.shapes import MODES
+from mok_jax.bench.shapes import IMPLS, MODES
 
 # The frameworks round a little differently (torch rounds g and u to bf16): this catches wrong
 # results, not rounding.
 CHECK_TOL = {"bf16": 2e-2, "f32": 1e-3}
 REFERENCE_ORDER = ("mok_jax:xla", "jax.ragged_dot", "tokamax.ragged_dot", "torch._grouped_mm")
 STATUS_TEXT = {"oom": "out of memory", "unavailable": "n/a"}
-COLUMNS = (("  impl", 24), ("median ms", 10), ("min-max ms", 25), ("TF/s", 8), ("b2b ms", 8),
-           ("b2b TF/s", 8), ("b2b MHz", 7), ("b2b J", 7), ("% peak", 7), ("vs peer", 8),
-           ("mem GiB", 8), ("compile s", 9))
+COLUMNS = (("  impl", 24), ("median ms", 10), ("TF/s", 8), ("b2b ms", 8), ("b2b TF/s", 8),
+           ("b2b MHz", 7), ("b2b J", 7), ("% peak", 7), ("vs peer", 8), ("mem GiB", 8),
+           ("compile s", 9))
 
 
 def read_jsonl(path: str) -> list[dict]:
@@ -27,28 +24,10 @@ def read_jsonl(path: str) -> list[dict]:
     return [json.loads(line) for line in f if line.strip()]
 
 
-def write_jsonl(records: list[dict], path: str):
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, "x") as f:  # a run's own file, never appended to
-    f.writelines(json.dumps(r) + "\n" for r in records)
-
-
 def case_key(r: dict) -> tuple:
   """Records with the same key timed the same work on the same inputs."""
-  return tuple(r.get(name) for name in ("shape", "T", "H", "I", "E", "k", "Is", "dtype", "skew",
-                                        "ep", "seed", "mode"))
-
-
-def latest(records: list[dict]) -> list[dict]:
-  """The newest record of each case and implementation, and of each device's peak."""
-  keep: dict[tuple, dict] = {}
-  for r in records:
-    key = (("peak", r.get("device"), r.get("dtype")) if r.get("kind") == "peak"
-           else (case_key(r), r.get("impl")))
-    if (r.get("date") or "") >= (keep.get(key, {}).get("date") or ""):
-      keep.pop(key, None)
-      keep[key] = r
-  return list(keep.values())
+  return tuple(r.get(name) for name in ("shape", "T", "H", "I", "E", "k", "dtype", "skew", "ep",
+                                        "seed", "mode"))
 
 
 def tflops(flops: int, ms: float) -> float:
@@ -62,21 +41,19 @@ def joules_a_call(gpu: dict | None, how: dict | None) -> float | None:
 
 
 def derive(records: list[dict]) -> list[dict]:
-  """Copies with tflops(_b2b), j_per_call(_b2b), peak_tflops, pct_of_peak, best_peer,
+  """Copies with tflops(_b2b), j_per_call_b2b, peak_tflops, pct_of_peak, best_peer,
   speedup_vs_best_peer, check_vs and check_result."""
   out, peaks, cases = [dict(r) for r in records], {}, {}
   for r in (r for r in out if r.get("kind") == "peak" and r.get("status") == "ok"):
-    r["tflops"] = peaks[r.get("run_id"), r.get("dtype")] = peaks[r.get("dtype")] = tflops(
-        r["flops"], r["ms"]["median"])
+    r["tflops"] = peaks[r.get("dtype")] = tflops(r["flops"], r["ms"]["median"])
   for r in (r for r in out if r.get("kind") == "moe" and r.get("status") == "ok"):
     cases.setdefault(case_key(r), []).append(r)
     r["tflops"] = tflops(r["flops"], r["ms"]["median"])
     if r.get("ms_b2b"):
       r["tflops_b2b"] = tflops(r["flops"], r["ms_b2b"]["median"])
-    for suffix in ("", "_b2b"):
-      if (joules := joules_a_call(r.get("gpu" + suffix), r.get("timing" + suffix))) is not None:
-        r["j_per_call" + suffix] = joules
-    peak = r["peak_tflops"] = peaks.get((r.get("run_id"), r.get("dtype")), peaks.get(r["dtype"]))
+    if (joules := joules_a_call(r.get("gpu_b2b"), r.get("timing_b2b"))) is not None:
+      r["j_per_call_b2b"] = joules
+    peak = r["peak_tflops"] = peaks.get(r.get("dtype"))
     r["pct_of_peak"] = 100.0 * r["tflops"] / peak if peak else None
   for ok in cases.values():
     best = min((r for r in ok if r.get("group") == "peer"), key=lambda r: r["ms"]["median"],
@@ -88,18 +65,20 @@ def derive(records: list[dict]) -> list[dict]:
       r["speedup_vs_best_peer"] = best and best["ms"]["median"] / r["ms"]["median"]
       r["check_vs"], r["check_result"] = None, "reference" if r is ref else None
       if ref is not None and r is not ref and r["impl"] in by_impl:
-        bad = [_differs(name, r["check"].get(name), want, CHECK_TOL.get(r.get("dtype"), 2e-2))
-               for name, want in ref["check"].items()]
+        tol = CHECK_TOL.get(r.get("dtype"), 2e-2)
+        bad = [f"{name} {r['check'].get(name)} vs {want}" for name, want in ref["check"].items()
+               if not _close(r["check"].get(name), want, tol)]
         r["check_vs"] = ref["impl"]
-        r["check_result"] = "mismatch: " + ", ".join(filter(None, bad)) if any(bad) else "ok"
+        r["check_result"] = "mismatch: " + ", ".join(bad) if bad else "ok"
   return out
 
 
-def _differs(name, got, want, tol) -> str | None:
+def _close(got, want, tol) -> bool:
+  """Relative agreement; "nan" and "inf" (text in JSON) only with themselves; a sum not taken
+  (a peer without that gradient) agrees."""
   if isinstance(got, (int, float)) and isinstance(want, (int, float)):
-    rel = abs(got - want) / max(abs(want), 1e-30)
-    return f"{name} off by {rel:.2g}" if rel > tol else None
-  return f"{name} {got} vs {want}" if got is not None and got != want else None  # "nan", "inf"
+    return abs(got - want) <= tol * max(abs(want), 1e-30)
+  return got is None or got == want
 
 
 def _ms(ms: float) -> str:
@@ -122,26 +101,23 @@ def _header(records: list[dict]) -> list[str]:
                        ("jax", "jaxlib", "jax-cuda13-plugin", "tokamax", "torch")
                        if versions.get(name))]
   for r in (r for r in records if r.get("kind") == "peak"):
-    if r.get("status") != "ok":
-      lines.append(f"dense matmul peak: {r.get('status')} ({r.get('reason')})")
-      continue
     gpu, how = r.get("gpu"), r.get("timing") or {}
-    lines.append(f"dense {r.get('dtype')} matmul {r['n']}^3 (jnp.dot): {_ms(r['ms']['median'])} "
-                 f"ms = {r['tflops']:.1f} TFLOP/s, the 100% of '% peak'" + (
-                     f", at SM clock {gpu['sm_mhz']:.0f} MHz ({gpu['sm_mhz_min']:.0f}-"
-                     f"{gpu['sm_mhz_max']:.0f}), {gpu['power_w']:.0f} W" if gpu else ""))
-    if how:
-      lines.append(f"  the median of {r['ms']['n']} samples of {how['calls_per_sample']} "
-                   f"back-to-back calls with one sync each, after {how['warmup_s']:.1f} s of them")
-  b2b_ms = sorted({round(1e3 * (r.get("timing_b2b") or {}).get("sample_s", 0.05))
-                   for r in records if r.get("ms_b2b")})
+    lines.append(f"dense matmul peak: {r.get('status')} ({r.get('reason')})" if r.get("status")
+                 != "ok" else f"dense {r.get('dtype')} matmul {r['n']}^3 (jnp.dot): "
+                 f"{_ms(r['ms']['median'])} ms = {r['tflops']:.1f} TFLOP/s, the 100% of '% peak'"
+                 + (f", at {gpu['sm_mhz']:.0f} MHz, {gpu['power_w']:.0f} W" if gpu else "")
+                 + (f"; the median of {r['ms']['n']} samples of {how['calls_per_sample']} "
+                    "back-to-back calls with one sync each" if how else ""))
+  sample_ms = next((round(1e3 * r["timing_b2b"]["sample_s"]) for r in records
+                    if (r.get("timing_b2b") or {}).get("sample_s")), "-")
   return lines + [
-      "TF/s = FLOPs / median ms of one call and a sync a sample; FLOPs 2*T*k*3*H*I (+ 2*T*3*H*Is "
-      "shared) a forward, x3 fwd+bwd",
-      f"b2b: back-to-back calls, samples of about {' or '.join(map(str, b2b_ms)) or '-'} ms, one "
-      "sync each; MHz (nvidia-smi), J (NVML): the SM clock and joules a call over them",
-      "vs peer = the best peer's median / this one; compile s = jit lower+compile (JAX), first "
-      "call (eager PyTorch)"]
+      "TF/s = FLOPs / median ms of one call and a sync a sample; FLOPs 2*T*k*3*H*I a forward, "
+      "x3 fwd+bwd",
+      f"b2b: back-to-back calls, samples of about {sample_ms} ms, one sync each; MHz (nvidia-smi), "
+      "J (NVML): the SM clock and joules a call over them",
+      "vs peer = the best peer's median / this one; compile s = jit lower+compile, or torch's "
+      "first call",
+      "mem GiB = the worker's peak device memory (fwd+bwd's covers the fwd before it)"]
 
 
 def _cells(r: dict, what: str, note) -> tuple:
@@ -151,11 +127,10 @@ def _cells(r: dict, what: str, note) -> tuple:
     return (f"{status} {note(r['reason'])}" if r.get("reason") else status,)
   ms, check, mem = r["ms"], r.get("check_result") or "", r.get("peak_mem_bytes")
   median = _ms(ms["median"])
+  if ms.get("n", 0) < (r.get("timing") or {}).get("reps_asked", 0):
+    median += f" (n={ms['n']})"  # cut by --budget-s
   if check.startswith("mismatch"):
     median += " !" + note(f"{what}: output checksums disagree with {r['check_vs']}: {check}")
-  spread = f"{_ms(ms['min'])}-{_ms(ms['max'])}"
-  if ms.get("n", 0) < (r.get("timing") or {}).get("reps_asked", 0):
-    spread += f" (n={ms['n']})"
   b2b = ("-",) * 4
   if r.get("ms_b2b"):
     clock, joules = (r.get("gpu_b2b") or {}).get("sm_mhz"), r.get("j_per_call_b2b")
@@ -165,17 +140,16 @@ def _cells(r: dict, what: str, note) -> tuple:
     b2b = (STATUS_TEXT.get(r["b2b_status"], r["b2b_status"]) + " "
            + note(f"{what}, back to back: {r.get('b2b_reason')}"), "-", "-", "-")
   speed, pct = r.get("speedup_vs_best_peer"), r.get("pct_of_peak")
-  return (median, spread, _tf(r["tflops"]), *b2b, "-" if pct is None else f"{pct:.1f}",
+  return (median, _tf(r["tflops"]), *b2b, "-" if pct is None else f"{pct:.1f}",
           f"{speed:.2f}x" if speed else "-", f"{mem / 2 ** 30:.2f}" if mem else "-",
           "-" if r.get("compile_s") is None else f"{r['compile_s']:.1f}")
 
 
 def table(records: list[dict]) -> str:
   """A block per mode, a line per shape, a row per implementation; notes numbered under it."""
-  moe = [r for r in records if r.get("kind") == "moe"]
-  if not moe:
-    return "\n".join(_header(records) + ["(no MoE records)"]) if records else "(no records)"
-  notes: list[str] = []
+  if not records:
+    return "(no records)"
+  notes, lines = [], _header(records)
 
   def note(text: str) -> str:
     notes.extend([text] * (text not in notes))
@@ -184,32 +158,25 @@ def table(records: list[dict]) -> str:
   def row(cells) -> str:
     return "  ".join(str(c).ljust(w) for c, (_, w) in zip(cells, COLUMNS)).rstrip()
 
-  lines = _header(records)
   for mode in MODES:
     last = None
-    for r in (r for r in moe if r.get("mode") == mode):
+    for r in (r for r in records if r.get("kind") == "moe" and r.get("mode") == mode):
       if last is None:
         lines += ["", f"== {mode} ==", row(name for name, _ in COLUMNS)]
       if case_key(r) != last:
-        last, load = case_key(r), r.get("load")
+        last = case_key(r)
+        load = next((x["load"] for x in records if x.get("load") and case_key(x) == last), None)
         lines.append(f"{r['shape']}  T={r['T']} H={r['H']} I={r['I']} E={r['E']} k={r['k']}"
-                     + (f" Is={r['Is']}" if r.get("Is") else "")
                      + (f"  (routes per expert: max/mean {load['max_over_mean']:.2f}, "
                         f"{load['empty_experts']} empty)" if load else ""))
       impl = f"  {r['impl']}" + (f" {note(r['impl'] + ': ' + r['note'])}" if r.get("note") else "")
       lines.append(row((impl, *_cells(r, f"{r['impl']} on {r['shape']} {mode}", note))))
-  lines += [""] * bool(notes) + [f"[{i + 1}] {text}" for i, text in enumerate(notes)]
-  scopes = {r.get("mem_scope") for r in moe if r.get("peak_mem_bytes")}
-  if scopes:
-    lines += ["", "mem GiB: peak device memory, inputs included, of " + (
-        "the job's worker (fwd+bwd's covers the fwd before it, unless fwd's worker died)"
-        if "worker" in scopes else "the process (JAX cannot reset it)")]
-  return "\n".join(lines)
+  return "\n".join(lines + [""] * bool(notes) + [f"[{i + 1}] {t}" for i, t in enumerate(notes)])
 
 
 def chart(records: list[dict], path: str) -> str | None:
-  """TF/s bars by shape and implementation, a panel per mode, the dense peak as a line; failed
-  runs labelled where their bar would be. The path, or None without matplotlib or MoE records."""
+  """TF/s bars by shape and implementation, a panel per mode, the dense peak as a line; a failed
+  run labelled where its bar would be. The path, or None without matplotlib or MoE records."""
   moe = [r for r in records if r.get("kind") == "moe"]
   try:
     import matplotlib  # pylint: disable=import-outside-toplevel
@@ -226,7 +193,7 @@ def chart(records: list[dict], path: str) -> str | None:
   peak = next((r["tflops"] for r in records if r.get("kind") == "peak" and "tflops" in r), None)
   colors = dict(zip(IMPLS, ("#d62728", "#ff7f0e", "#9467bd", "#1f77b4", "#2ca02c", "#8c564b")))
   fig, axes = plt.subplots(len(modes), 1, squeeze=False,
-                           figsize=(max(7.0, 1.9 * len(shapes) + 3.0), 3.6 * len(modes)))
+                           figsize=(max(7.0, 1.9 * len(shapes) + 3.0), 3.6 * len(modes) + 1))
   width = 0.8 / len(impls)
   for ax, mode in zip(axes[:, 0], modes):
     top = max([r.get("tflops") or 0 for r in moe if r["mode"] == mode] + [peak or 0, 1e-9])
@@ -236,24 +203,20 @@ def chart(records: list[dict], path: str) -> str | None:
       ax.bar(x, r["tflops"] if ok else 0, width, color=color,
              label=IMPLS[r["impl"]] if r["shape"] == shapes[0] else None)
       if not ok:
-        ax.text(x, top * 0.01, {"oom": "OOM", "unavailable": "n/a"}.get(r["status"], r["status"]),
-                rotation=90, ha="center", va="bottom", fontsize=7, color=color)
+        ax.text(x, top * 0.01, STATUS_TEXT.get(r["status"], r["status"]), rotation=90,
+                ha="center", va="bottom", fontsize=7, color=color)
     if peak:
       ax.axhline(peak, color="black", linestyle="--", linewidth=1)
       ax.text(len(shapes) - 0.52, peak, f"dense matmul {peak:.3g} TFLOP/s", va="bottom",
               ha="right", fontsize=8)
     ax.set(xlim=(-0.5, len(shapes) - 0.5), xticks=range(len(shapes)), xticklabels=shapes,
-           ylabel="TFLOP/s", ylim=(0, top * 1.12))
-    ax.set_title(mode, fontsize=10)
+           ylabel="TFLOP/s", ylim=(0, top * 1.12), title=mode)
     ax.grid(axis="y", alpha=0.3)
   fig.suptitle(f"MoE layer on {moe[0].get('device', '?')}, {moe[0].get('dtype', '?')} "
                f"({(moe[0].get('date') or '')[:10]})", fontsize=11)
-  handles, labels = axes[0, 0].get_legend_handles_labels()
-  fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 3), fontsize=8,
+  fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=8,
              frameon=False)
-  height = fig.get_size_inches()[1]
-  fig.tight_layout(rect=(0, (0.15 + 0.2 * math.ceil(len(impls) / 3)) / height, 1,
-                         1 - 0.4 / height))
+  fig.tight_layout(rect=(0, 0.1, 1, 0.96))
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   fig.savefig(path, dpi=120)
   plt.close(fig)

@@ -1,12 +1,13 @@
-"""Runs a benchmark's jobs, each in a fresh worker (or all in this process), and makes their
-records. Nothing here initialises a JAX backend or imports torch, so the GPU is free for each
-worker in turn. A mode's --mode-timeout counts from the previous mode's record (from the
-worker's start for the first, so that it covers imports and inputs); past it, or when the worker
-dies, that mode alone fails (with the stage it was in) and the modes after it get a new worker.
+"""Runs a benchmark's jobs, each in a fresh worker (jobs.py), and makes their records. Nothing
+here starts JAX or torch, so the GPU is free for each worker in turn. A mode's --mode-timeout
+counts from the previous mode's record (from the worker's start for the first, so that it covers
+imports and inputs); past it, or when the worker dies, that mode alone fails, with the stage it
+was in, and the modes after it get a new worker.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import importlib.metadata
@@ -20,13 +21,16 @@ import sys
 import tempfile
 import time
 
-from mok_jax.bench import jobs, peers, records
+from mok_jax.bench import shapes
 from mok_jax.bench.shapes import Shape
 
 WORKER = [sys.executable, "-m", "mok_jax.bench.jobs"]  # + JOB.json EVENTS.jsonl
 POLL_S = 0.2
 PACKAGES = ("mok_jax", "jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "tokamax",
             "torch", "triton", "numpy")
+# The variables that change what a worker measures, recorded with its records.
+ENV_VARS = ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE",
+            "XLA_PYTHON_CLIENT_ALLOCATOR", "JAX_PLATFORMS", "CUDA_VISIBLE_DEVICES")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,11 +38,9 @@ class Options:
   shapes: list[Shape]
   impls: str  # --impls text; "" for the platform's defaults
   modes: list[str]
-  knobs: dict  # what every job gets: dtype, seed, skew, ep and timing's (jobs.py)
-  isolate: bool
+  knobs: dict  # what every job gets: seed, skew, ep and timing's (__main__.KNOBS)
   mode_timeout_s: float
-  log_dir: str | None = None
-  partial_path: str | None = None
+  log_dir: str | None = None  # None: a temp folder
 
 
 def make_job(opts: Options, impl: str, shape: Shape | None) -> dict:
@@ -46,15 +48,19 @@ def make_job(opts: Options, impl: str, shape: Shape | None) -> dict:
           else ["dense"], "shape": dataclasses.asdict(shape) if shape else None, **opts.knobs}
 
 
+def worker_env(impl: str) -> dict:
+  env = dict(os.environ, PYTHONUNBUFFERED="1")
+  if impl == "torch._grouped_mm":
+    env["JAX_PLATFORMS"] = "cpu"  # JAX only routes there; the GPU is torch's
+  else:  # torch's peer may use all of the GPU's memory, so JAX's share (0.75 by default) nears it
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.90")
+  return env
+
+
 def execute(opts: Options, job: dict, name: str, on_record=lambda event: None) -> list[dict]:
   """The job's record events, each handed to on_record as it arrives."""
-  if not opts.isolate:
-    got = [event for event in jobs.iter_job(job) if event["event"] == "record"]
-    for event in got:
-      on_record(event)
-    return got
   stem = os.path.join(opts.log_dir, "".join(c if c.isalnum() or c in "._-" else "_" for c in name))
-  if os.path.exists(stem + ".log"):
+  with contextlib.suppress(FileNotFoundError):
     os.remove(stem + ".log")
   remaining, events = list(job["modes"]), []
   while remaining:
@@ -65,18 +71,11 @@ def execute(opts: Options, job: dict, name: str, on_record=lambda event: None) -
       continue  # done, or killed as a mode finished: the next mode gets a worker and its time
     status, reason, wall_s = failure or (
         "crashed", f"the worker ended without a result for this mode; log: {stem}.log", None)
-    raw = records.failed([remaining.pop(0)], status, reason, detail=_tail(stem + ".log"))[0]
+    raw = {"mode": remaining.pop(0), "status": status, "reason": reason,
+           "detail": _tail(stem + ".log")}
     events.append({"event": "record", "record": raw, "device": None, "mode_wall_s": wall_s})
     on_record(events[-1])
   return events
-
-
-def _events(path: str) -> list[dict]:
-  try:
-    with open(path) as f:  # a last line without its \n is still being written
-      return [json.loads(line) for line in f.read().split("\n")[:-1]]
-  except FileNotFoundError:
-    return []
 
 
 def _worker(job: dict, stem: str, timeout: float, on_record):
@@ -85,13 +84,14 @@ def _worker(job: dict, stem: str, timeout: float, on_record):
   job_path, events_path, log_path = stem + ".job.json", stem + ".events.jsonl", stem + ".log"
   with open(job_path, "w") as f:
     json.dump(job, f)
-  if os.path.exists(events_path):
-    os.remove(events_path)
+  with open(events_path, "w"):
+    pass
   got, seen, since, doing = [], 0, time.perf_counter(), "starting the worker (imports, device)"
 
   def take() -> bool:  # the new events; whether a record came
     nonlocal seen, since, doing
-    new = _events(events_path)[seen:]
+    with open(events_path) as f:  # a last line without its \n is still being written
+      new = [json.loads(line) for line in f.read().split("\n")[seen:-1]]
     seen += len(new)
     for event in new:
       doing = event.get("stage") or doing
@@ -102,27 +102,18 @@ def _worker(job: dict, stem: str, timeout: float, on_record):
         on_record(event)
     return any(e["event"] == "record" for e in new)
 
-  env = dict(os.environ, PYTHONUNBUFFERED="1")
-  if job["impl"] == "torch._grouped_mm":
-    env["JAX_PLATFORMS"] = "cpu"  # JAX only routes there; the GPU is torch's
-  else:  # torch's peer may use all of the GPU's memory, so JAX's share (0.75 by default) nears it
-    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.90")
   with open(log_path, "a") as log:
     print(f"== worker for {', '.join(job['modes'])}", file=log, flush=True)
-    proc = subprocess.Popen(WORKER + [job_path, events_path], stdout=log,
-                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = subprocess.Popen(WORKER + [job_path, events_path], stdout=log, stderr=subprocess.STDOUT,
+                            env=worker_env(job["impl"]), start_new_session=True)
     code = None
     while code is None:
-      try:
+      with contextlib.suppress(subprocess.TimeoutExpired):
         code = proc.wait(timeout=POLL_S)
-      except subprocess.TimeoutExpired:
-        pass
       take()
       if code is None and (waited := time.perf_counter() - since) > timeout:
-        try:
+        with contextlib.suppress(ProcessLookupError):  # the worker and what it started
           os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-          proc.kill()
         proc.wait()
         if take():  # a record that landed as the worker was being killed
           return got, None
@@ -130,15 +121,11 @@ def _worker(job: dict, stem: str, timeout: float, on_record):
                      f"{doing}; log: {log_path}", waited)
   if code == 0:
     return got, None
-  why = f"exit code {code}"
-  if code < 0:
-    try:
-      why = f"killed by signal {signal.Signals(-code).name}"
-    except ValueError:
-      why = f"killed by signal {-code}"
+  why = f"exit code {code}" if code > 0 else f"killed by {signal.strsignal(-code)}"
   lines = [line.strip() for line in _tail(log_path).splitlines() if line.strip()]
-  return got, ("crashed", f"worker {why} while {doing}: {lines[-1][:300] if lines else 'no output'}"
-               f"; log: {log_path}", time.perf_counter() - since)
+  last = lines[-1][:300] if lines else "no output"
+  return got, ("crashed", f"worker {why} while {doing}: {last}; log: {log_path}",
+               time.perf_counter() - since)
 
 
 def _tail(path: str) -> str:
@@ -158,21 +145,16 @@ def describe() -> dict:
       versions[name] = importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
       versions[name] = None
-  # MOK_BENCH_COMMIT names the commit of a tree copied without its history.
-  commit = os.environ.get("MOK_BENCH_COMMIT")
-  try:
-    git = [subprocess.run(["git", *args], cwd=os.path.dirname(os.path.abspath(__file__)),
-                          text=True, capture_output=True, timeout=10)
-           for args in (["rev-parse", "--short=12", "HEAD"],
-                        ["status", "--porcelain", "--untracked-files=no"])]
-    if not commit and git[0].returncode == 0:
-      commit = git[0].stdout.strip() + ("+dirty" if git[1].stdout.strip() else "")
+  try:  # the commit's hash (no tag names), +dirty with changes to tracked files; None outside git
+    commit = subprocess.run(["git", "describe", "--always", "--exclude=*", "--abbrev=12",
+                             "--dirty=+dirty"], cwd=os.path.dirname(os.path.abspath(__file__)),
+                            text=True, capture_output=True, timeout=10).stdout.strip() or None
   except (OSError, subprocess.SubprocessError):
-    pass
+    commit = None
   return {"machine": {"host": platform.node(), "os": platform.platform(),
                       "cpu": platform.processor() or platform.machine(),
                       "cpu_count": os.cpu_count(), "python": platform.python_version()},
-          "versions": versions, "commit": commit, "env": records.env_vars()}
+          "versions": versions, "commit": commit}
 
 
 def _brief(r: dict) -> str:
@@ -181,41 +163,35 @@ def _brief(r: dict) -> str:
   return r.get("status", "?") + (f" ({r['reason'][:100]})" if r.get("reason") else "")
 
 
-def run(opts: Options) -> list[dict]:
-  """The run's records, in the order they came."""
+def run(opts: Options, on_record=lambda record: None) -> list[dict]:
+  """The run's records, in the order they came, each handed to on_record as it comes."""
   t_run, now = time.perf_counter(), datetime.datetime.now(datetime.timezone.utc)
   run_id = f"{now:%Y%m%dT%H%M%SZ}-{secrets.token_hex(2)}"
   base = {"run_id": run_id, "date": now.isoformat(timespec="seconds"), "skew": opts.knobs["skew"],
-          "ep": opts.knobs["ep"], "seed": opts.knobs["seed"], "isolated": opts.isolate}
-  about, out, device = describe(), [], {}
-  if opts.isolate:
-    opts = dataclasses.replace(opts, log_dir=opts.log_dir or tempfile.mkdtemp(prefix="mok_bench_"))
-    os.makedirs(opts.log_dir, exist_ok=True)
+          "ep": opts.knobs["ep"], "seed": opts.knobs["seed"], **describe()}
+  opts = dataclasses.replace(opts, log_dir=opts.log_dir or tempfile.mkdtemp(prefix="mok_bench_"))
+  os.makedirs(opts.log_dir, exist_ok=True)
+  out, device = [], {}
   progress = lambda text: print(text, file=sys.stderr, flush=True)
   progress(f"mok_jax.bench run {run_id}: {len(opts.shapes)} shape(s), modes "
-           f"{', '.join(opts.modes)}, " + (f"a fresh process per job, logs in {opts.log_dir}"
-                                           if opts.isolate else "in-process"))
+           f"{', '.join(opts.modes)}, a fresh process per job, logs in {opts.log_dir}")
 
   def emit(event, impl, shape, label=None):
-    raw, seen = event["record"], event.get("device") or {}
+    raw, seen, env = event["record"], event.get("device") or {}, worker_env(impl)
     if seen and impl != "torch._grouped_mm":
       device.update(device or seen)
-    r = {"kind": "moe" if shape else "peak", **base, "impl": impl, "group": peers.group(impl),
+    r = {"kind": "moe" if shape else "peak", **base, "impl": impl, "group": shapes.group(impl),
          "device": seen.get("name") or device.get("name"),
          "platform": seen.get("platform") or device.get("platform"),
-         "mem_scope": "worker" if opts.isolate else "process", "job_wall_s": event.get("wall_s"),
-         "mode_wall_s": event.get("mode_wall_s")}
+         "mode_wall_s": event.get("mode_wall_s"), "env": {k: env[k] for k in ENV_VARS if k in env}}
     if shape:
       r.update(shape=shape.name, T=shape.T, H=shape.H, I=shape.I, E=shape.E, k=shape.k,
-               Is=shape.Is, flops=shape.flops(raw["mode"]))
+               flops=shape.flops(raw["mode"]))
     r.update(raw)
     r.setdefault("status", "error")
-    r.setdefault("dtype", records.resolve_dtype(opts.knobs["dtype"], r["platform"] or "gpu"))
-    r.update(about, worker_env=event.get("env_vars"))
+    r.setdefault("dtype", shapes.dtype_for(r["platform"] or "gpu"))
     out.append(r)
-    if opts.partial_path:
-      with open(opts.partial_path, "a") as f:
-        f.write(json.dumps(r) + "\n")
+    on_record(r)
     if label:
       took = r.get("mode_wall_s")
       progress(f"{label} {r['mode']}: {_brief(r)}" + (f" ({took:.0f} s)" if took else ""))
@@ -226,9 +202,9 @@ def run(opts: Options) -> list[dict]:
   progress(f"[peak] {device.get('name', '?')} ({device.get('platform') or 'platform unknown'}): "
            f"dense {peak.get('dtype')} {peak.get('n', opts.knobs['peak_n'])}^3 {_brief(peak)}")
   if device.get("platform") or opts.impls:
-    impls = peers.resolve(opts.impls, device.get("platform") or "gpu")
+    impls = shapes.resolve_impls(opts.impls, device.get("platform") or "gpu")
   else:  # the peak's worker died: time every backend, each says whether it can run
-    impls = list(dict.fromkeys(peers.default_impls("gpu") + peers.default_impls("cpu")))
+    impls = list(dict.fromkeys(shapes.default_impls("gpu") + shapes.default_impls("cpu")))
   cases = [(shape, impl) for shape in opts.shapes for impl in impls]
   for n, (shape, impl) in enumerate(cases, 1):
     label = f"[{n}/{len(cases)}] {shape.name} {impl}"

@@ -1,16 +1,24 @@
-"""Benchmark shapes (T, H, I, E, k [, Is]) and the FLOP count of the MoE layer."""
+"""What the bench measures: the shapes (T, H, I, E, k) and their FLOPs, the modes, and the
+implementations by name (jobs.py builds them)."""
 
 from __future__ import annotations
 
 import dataclasses
 
 MODES = ("fwd", "fwd+bwd")
+# name -> the chart's label; the order is the table's and the chart's.
+IMPLS = {"mok_jax:cuda": "mok_jax cuda", "mok_jax:xla": "mok_jax xla",
+         "mok_jax:ffi": "mok_jax ffi (C++ on CPU)", "jax.ragged_dot": "jax.lax.ragged_dot",
+         "tokamax.ragged_dot": "tokamax.ragged_dot", "torch._grouped_mm": "torch._grouped_mm"}
+ALIASES = {"cuda": "mok_jax:cuda", "xla": "mok_jax:xla", "ffi": "mok_jax:ffi",
+           "jax": "jax.ragged_dot", "tokamax": "tokamax.ragged_dot", "torch": "torch._grouped_mm"}
+PEERS = ("jax.ragged_dot", "tokamax.ragged_dot", "torch._grouped_mm")
 
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-  """One MoE layer on one device: T tokens, width H, expert width I, E experts, k routes per
-  token, a shared expert of width Is (0: none)."""
+  """One MoE layer on one device, without a shared expert: T tokens, width H, expert width I, E
+  experts, k routes per token."""
 
   name: str
   T: int
@@ -18,25 +26,20 @@ class Shape:
   I: int
   E: int
   k: int
-  Is: int = 0
 
   def __post_init__(self):
-    for field, least in (("T", 1), ("H", 1), ("I", 1), ("E", 1), ("k", 1), ("Is", 0)):
+    for field in ("T", "H", "I", "E", "k"):
       value = getattr(self, field)
-      if not isinstance(value, int) or value < least:
-        raise ValueError(f"shape {self.name}: {field} must be an int >= {least}, got {value!r}")
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"shape {self.name}: {field} must be an int >= 1, got {value!r}")
     if self.k > self.E:
       raise ValueError(f"shape {self.name}: k = {self.k} exceeds E = {self.E}")
 
-  @property
-  def dims(self) -> tuple[int, int, int, int, int]:
-    return (self.T, self.H, self.I, self.E, self.k)
   def flops(self, mode: str) -> int:
     """Padding rows are not counted; the backward does two GEMMs per forward GEMM."""
-    forward = 2 * self.T * self.k * 3 * self.H * self.I + 2 * self.T * 3 * self.H * self.Is
     if mode not in MODES:
       raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    return forward if mode == "fwd" else 3 * forward
+    return 2 * self.T * self.k * 3 * self.H * self.I * (1 if mode == "fwd" else 3)
 
 
 SHAPES = {s.name: s for s in (
@@ -45,27 +48,48 @@ SHAPES = {s.name: s for s in (
     Shape("mixtral", 8192, 4096, 14336, 8, 2),
     Shape("dsv3", 4096, 7168, 2048, 256, 8),
 )}
-
 # Seconds on a 2-core CPU (f32). About 32 routes an expert, fewer than a 128-row tile, as in the
 # large shapes with many experts; H and I multiples of 64, so the CUDA kernel takes it too.
 TINY = (Shape("tiny", 128, 64, 64, 16, 4),)
+
+
+def dtype_for(platform: str) -> str:
+  return "bf16" if platform == "gpu" else "f32"
 
 
 def parse_shape(text: str) -> Shape:
   parts = [p.strip() for p in text.split(",")]
   if len(parts) != 5 or not all(p.isdigit() for p in parts):
     raise ValueError(f"--shape takes five positive integers T,H,I,E,k, got {text!r}")
-  T, H, I, E, k = map(int, parts)
-  return Shape(f"custom_{T}_{H}_{I}_{E}_{k}", T, H, I, E, k)
+  dims = [int(p) for p in parts]
+  return Shape("custom_" + "_".join(map(str, dims)), *dims)
 
 
-def select(names: str | None, custom: list[str], tiny: bool, shared: int) -> list[Shape]:
+def select(names: str | None, custom: list[str], tiny: bool) -> list[Shape]:
   """--tiny, then the named shapes, then --shape ones; all named shapes if none is given."""
   chosen = list(TINY) if tiny else []
   for name in (n.strip() for n in (names or "").split(",") if n.strip()):
     if name not in SHAPES:
       raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
     chosen.append(SHAPES[name])
-  chosen += [parse_shape(text) for text in custom]
-  chosen = chosen or list(SHAPES.values())
-  return [dataclasses.replace(s, Is=shared) for s in chosen] if shared else chosen
+  return chosen + [parse_shape(text) for text in custom] or list(SHAPES.values())
+
+
+def group(impl: str) -> str:
+  return "mok_jax" if impl.startswith("mok_jax:") else "peer" if impl in PEERS else "ceiling"
+
+
+def default_impls(platform: str) -> list[str]:
+  """On a GPU "ffi" is the CUDA kernel too; on a CPU it is the C++ targets."""
+  mine = ["mok_jax:cuda", "mok_jax:xla"] if platform == "gpu" else ["mok_jax:xla", "mok_jax:ffi"]
+  return mine + list(PEERS)
+
+
+def resolve_impls(names: str, platform: str) -> list[str]:
+  """--impls text (names or aliases; empty: the platform's defaults) -> names."""
+  chosen = [ALIASES.get(n.strip(), n.strip()) for n in names.split(",") if n.strip()]
+  for name in chosen:
+    if name not in IMPLS:
+      raise ValueError(f"unknown implementation {name!r}; known: {', '.join(IMPLS)} "
+                       f"(aliases: {', '.join(ALIASES)})")
+  return list(dict.fromkeys(chosen)) or default_impls(platform)

@@ -1,5 +1,5 @@
-"""The PyTorch peer: the same MoE layer on `torch._grouped_mm` (eager, autograd), in a process
-of its own (JAX there only on the CPU, for routing), on inputs bit-identical to the JAX
+"""The PyTorch peer: the same MoE layer on `torch._grouped_mm` (eager, autograd, bf16), in a
+process of its own (JAX there only on the CPU, for routing), on inputs bit-identical to the JAX
 workers'. A call is timed by CUDA events around it, synchronised; the peak memory is that of
 torch's caching allocator, reset before each mode.
 """
@@ -7,33 +7,31 @@ torch's caching allocator, reset before each mode.
 from __future__ import annotations
 
 from mok_jax.bench import inputs
-from mok_jax.bench.records import failed, failure, measure, resolve_dtype, stage
 from mok_jax.bench.shapes import Shape
+from mok_jax.bench.timing import failure, measure, stage
 
 
 def run(job: dict):
   """The job's events, as jobs.iter_job yields them."""
-  modes, device = job["modes"], None
+  modes, why = job["modes"], "no expert parallelism in this implementation"
   try:
     import torch  # pylint: disable=import-outside-toplevel
 
-    why = (None if torch.cuda.is_available() and hasattr(torch, "_grouped_mm") else
-           f"torch {torch.__version__} sees no CUDA device or has no torch._grouped_mm")
+    if job["ep"] == 1:
+      why = (None if torch.cuda.is_available() and hasattr(torch, "_grouped_mm") else
+             f"torch {torch.__version__} sees no CUDA device or has no torch._grouped_mm")
   except Exception as exc:  # pylint: disable=broad-except
     why = "import torch failed: " + failure(exc)["reason"]
   if why:
-    yield from ({"event": "record", "record": r, "device": None}
-                for r in failed(modes, "unavailable", why))
+    yield from ({"event": "record", "record": {"mode": mode, "status": "unavailable",
+                                               "reason": why}, "device": None} for mode in modes)
     return
   device = {"platform": "gpu", "name": torch.cuda.get_device_name(0),
             "count": torch.cuda.device_count()}
-  dtype = resolve_dtype(job["dtype"], "gpu")
   shape = Shape(**job["shape"])
-  common = {"dtype": dtype, "note": None if dtype == "bf16" else
-            "torch._grouped_mm runs its per-group fallback for non-bf16 inputs"}
   yield stage(modes[0], "building inputs")
-  params, sets = _inputs(torch, shape, {"bf16": torch.bfloat16, "f32": torch.float32}[dtype], job)
-  common["load"] = inputs.load_stats(sets[0][1].cpu().numpy(), shape.E)
+  params, sets = _inputs(torch, shape, job)
+  common = {"dtype": "bf16", "load": inputs.load_stats(sets[0][1].cpu().numpy(), shape.E)}
   for mode in modes:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -43,9 +41,9 @@ def run(job: dict):
     yield {"event": "record", "record": record, "device": device}
 
 
-def layer(torch, x, experts, weights, w_gate, w_up, w_down, shared):
+def layer(torch, x, experts, weights, w_gate, w_up, w_down):
   """Routes sorted by expert, grouped gate and up products, SwiGLU, grouped down product, each
-  route's row back, the weighted sum over k in f32 (+ the shared expert): y of x's dtype."""
+  route's row back, the weighted sum over k in f32: y of x's dtype."""
   F, mm = torch.nn.functional, torch._grouped_mm  # pylint: disable=protected-access
   T, k = experts.shape
   flat = experts.reshape(-1)
@@ -58,11 +56,7 @@ def layer(torch, x, experts, weights, w_gate, w_up, w_down, shared):
   inverse = torch.empty_like(order)
   inverse[order] = torch.arange(order.numel(), device=order.device)
   y_routes = mm(h, w_down, offs=offsets).index_select(0, inverse).view(T, k, x.shape[1])
-  y = torch.einsum("tkh,tk->th", y_routes.float(), weights)
-  if shared is not None:
-    ws_gate, ws_up, ws_down = shared
-    y = y + ((F.silu(x @ ws_gate) * (x @ ws_up)) @ ws_down).float()
-  return y.to(x.dtype)
+  return torch.einsum("tkh,tk->th", y_routes.float(), weights).to(x.dtype)
 
 
 def _mulmod32(h, c: int):
@@ -79,45 +73,37 @@ def uniform(torch, dims, salt: int, width, dtype, device):
   for first in range(0, dims[0], step):
     count = min(step, dims[0] - first)
     h = torch.arange(first * inner, (first + count) * inner, dtype=torch.int64, device=device)
-    h = (_mulmod32(h & inputs.MASK32, inputs.GOLDEN) + salt) & inputs.MASK32
-    h = _mulmod32(h ^ (h >> 16), inputs.FMIX[0])
-    h = _mulmod32(h ^ (h >> 13), inputs.FMIX[1])
-    unit = ((h ^ (h >> 16)) >> 8).to(torch.float32) * (2.0 ** -23) - 1.0
+    h = inputs.fmix((_mulmod32(h & inputs.MASK32, inputs.GOLDEN) + salt) & inputs.MASK32,
+                    _mulmod32)
+    unit = (h >> 8).to(torch.float32) * (2.0 ** -23) - 1.0
     flat[first:first + count] = (unit * float(width)).view(count, inner).to(dtype)
   return out
 
 
-def _inputs(torch, shape, dtype, job):
-  """As inputs.jax_inputs."""
-  device, seed = torch.device("cuda"), job["seed"]
-
-  def make(dims, tensor_id, std=1.0, grad=True):
-    return uniform(torch, dims, inputs.salt(seed, tensor_id), inputs.half_width(std), dtype,
-                   device).requires_grad_(grad)
-
-  w = [make(dims, tid, std) for tid, dims, std in inputs.specs(shape)]
+def _inputs(torch, shape, job):
+  """As inputs.jax_inputs: (w_gate, w_up, w_down), [(x, experts, weights, dy)] * sets."""
+  device, seed, n = torch.device("cuda"), job["seed"], job["sets"]
+  w = [uniform(torch, dims, inputs.salt(seed, tid), width, torch.bfloat16, device)
+       for tid, dims, width in inputs.specs(shape, n)]
   sets = []
-  for i in range(job["sets"]):
+  for i in range(n):
     experts, weights = inputs.routing(shape.T, shape.E, shape.k, seed + 1 + i, job["skew"])
-    sets.append((make((shape.T, shape.H), inputs.x_id(i)),
-                 torch.from_numpy(experts.astype("int64")).to(device),
-                 torch.from_numpy(weights.copy()).to(device).requires_grad_(True),
-                 make((shape.T, shape.H), inputs.dy_id(i), grad=False)))
+    experts = torch.from_numpy(experts.astype("int64")).to(device)
+    weights = torch.from_numpy(weights.copy()).to(device).requires_grad_()
+    sets.append((w[3 + 2 * i].requires_grad_(), experts, weights, w[4 + 2 * i]))
   torch.cuda.synchronize()
-  return (*w[:3], tuple(w[3:]) or None), sets
+  return [a.requires_grad_() for a in w[:3]], sets
 
 
 def _time_mode(torch, job, params, sets, mode):
-  w_gate, w_up, w_down, shared = params
   start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
   def call(i):  # (out, an event after it), to wait for this call alone
     x, experts, weights, dy = sets[i]
     with torch.set_grad_enabled(mode != "fwd"):
-      out = layer(torch, x, experts, weights, w_gate, w_up, w_down, shared)
+      out = layer(torch, x, experts, weights, *params)
     if mode != "fwd":
-      out = [out, *torch.autograd.grad(out, [x, weights, w_gate, w_up, w_down, *(shared or ())],
-                                       grad_outputs=dy)]
+      out = [out, *torch.autograd.grad(out, [x, weights, *params], grad_outputs=dy)]
     done = torch.cuda.Event()
     done.record()
     return out, done
