@@ -8,16 +8,33 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 
 import pytest
 
-pytestmark = pytest.mark.gpu
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tools" / "sanitize.sh"
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "tools" / "sanitize.sh"
+# What the line of each TMA_READERS entry of sanitize.sh loads: rows that TMA stores wrote.
+TMA_LOADS = {"combine.cuh:50": "Load8(in ", "combine.cuh:55": "Load8(extra ",
+             "epilogue.cuh:231": "p.aux"}
 
 
+def test_tma_readers_are_the_loads_of_tma_stored_rows():
+  """sanitize.sh sets apart initcheck's reports at these lines only: each must still be the
+  load it names (an edit that moves the line must move the entry too)."""
+  readers = re.search(r"^TMA_READERS=\((.*)\)$", SCRIPT.read_text(), re.M).group(1)
+  sites = re.findall(r'"([^"]+)"', readers)
+  assert sorted(sites) == sorted(TMA_LOADS)
+  for site in sites:
+    name, line = site.split(":")
+    text = (ROOT / "cuda" / "sm90" / name).read_text().splitlines()[int(line) - 1]
+    assert TMA_LOADS[site] in text, (site, text)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tool", ["memcheck", "initcheck", "racecheck"])
 def test_sanitizer_clean(tool, tmp_path):
   if shutil.which("compute-sanitizer") is None:

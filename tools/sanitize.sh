@@ -18,10 +18,11 @@
 #
 # TMA stores: before the kernels, initcheck runs tools/sanitize_tma_store.cu, which writes a
 # matrix by a TMA store and reads it back with plain loads. Where this initcheck reports that
-# read (it takes bytes that only a TMA store wrote for uninitialized), its reports at the plain
-# loads of the GEMM outputs that leave by TMA stores (TMA_READERS) are listed and not counted as
-# errors: tests/test_transforms.py checks those reads instead (NaN in the free device memory
-# before each call, poisoned residual padding). Every other report is an error.
+# read (it takes bytes that only a TMA store wrote for uninitialized), its reports at the loads
+# of TMA-stored rows (TMA_READERS) and at host copies of device memory are listed and not
+# counted as errors: tests/test_transforms.py checks those reads instead (NaN in the free device
+# memory before each call, poisoned residual padding). Every other report is an error, and so is
+# a run that does not reach the cases' last line.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 logs=${SANITIZE_LOGS:-$root/sanitize-logs}
@@ -29,28 +30,38 @@ mkdir -p "$logs"
 sanitizer=$(command -v compute-sanitizer) || { echo "compute-sanitizer is not on PATH"; exit 2; }
 tools=("$@")
 [ ${#tools[@]} -eq 0 ] && tools=(memcheck initcheck racecheck)
-# The kernel frames whose plain loads read rows that the GEMMs wrote by TMA stores: the
-# combine of y_routed (forward) and dx_routed (backward).
-TMA_READERS=("combine.cuh:50")
+# The frames whose plain loads read what the GEMMs wrote by TMA stores: the combine of y_routed
+# and dx_routed (line 50) and of the shared expert's output (55), the SwiGLU backward's loads
+# of gu (epilogue.cuh).
+TMA_READERS=("combine.cuh:50" "combine.cuh:55" "epilogue.cuh:231")
 export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform
 
-# Prints "N SITE" a line for the reports in log $1, SITE the outermost device frame's file:line.
+# Prints "N SITE TMA" a line for the reports in log $1: SITE the innermost device frame's
+# file:line (host: a host-side copy of device memory), TMA 1 if a frame of the report is one of
+# TMA_READERS, or a host copy (of outputs that TMA stores wrote, the weight gradients'), else 0.
 sites() {
-  python3 - "$1" <<'PY'
-import collections, re, sys
-counts, site, in_report = collections.Counter(), None, False
+  TMA_READERS="${TMA_READERS[*]}" python3 - "$1" <<'PY'
+import collections, os, re, sys
+readers = set(os.environ["TMA_READERS"].split())
+counts = collections.Counter()
+def close(report):
+  if report is None: return
+  head, frames = report
+  if head.startswith("Host API"): counts["host", 1] += 1
+  elif frames: counts[frames[0], int(any(f.rsplit("/", 1)[-1] in readers for f in frames))] += 1
+  else: counts["?", 0] += 1
+report = None
 for line in open(sys.argv[1], errors="replace"):
-  if re.match(r"=+ (Uninitialized|Invalid|Race|Error|Warning|Program hit)", line) or \
-      re.match(r"=+ +(Uninitialized|Invalid|Race|Error|Warning)", line):
-    if in_report: counts[site or "?"] += 1
-    in_report, site = True, None
-  m = re.search(r"Device Frame:.* in (\S+:\d+)", line)
-  if in_report and m: site = m.group(1)
-  if in_report and "Host Frame" in line:
-    counts[site or "?"] += 1
-    in_report = False
-if in_report: counts[site or "?"] += 1
-for s, n in counts.most_common(): print(n, s)
+  m = re.match(r"=+ (\S.*)", line)
+  if m and not line.startswith("=========  ") and re.match(
+      r"(Uninitialized|Invalid|Race|Error|Warning|Host API|Program hit|Barrier|Misaligned)",
+      m.group(1)):
+    close(report)
+    report = (m.group(1), [])
+  f = re.search(r"Device Frame:.* in (\S+:\d+)", line)
+  if report is not None and f: report[1].append(f.group(1))
+close(report)
+for (site, tma), n in counts.most_common(): print(n, site, tma)
 PY
 }
 
@@ -82,18 +93,20 @@ for tool in "${tools[@]}"; do
   summary=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$logs/$tool.log" | tail -1)
   echo "$tool: exit $rc, $((SECONDS - start)) s: ${summary:-no summary (see $logs/$tool.log)}"
   errors=0 listed=0
-  while read -r n site; do
+  while read -r n site tma; do
     [ -n "$site" ] || continue
-    if [ "$tool" = initcheck ] && [ $tma_seen = no ] &&
-        printf '%s\n' "${TMA_READERS[@]}" | grep -qx "${site##*/}"; then
-      echo "  $n at $site: plain loads of TMA-stored rows (not counted)"
+    if [ "$tool" = initcheck ] && [ $tma_seen = no ] && [ "$tma" = 1 ]; then
+      echo "  $n at $site: reads of TMA-stored bytes (not counted)"
       listed=$((listed + n))
     else
       echo "  $n at $site"
       errors=$((errors + n))
     fi
   done < <(sites "$logs/$tool.log")
-  if ! grep -q "SUMMARY: " "$logs/$tool.log"; then
+  if ! grep -q "^sanitizer_cases: .* cases ran" "$logs/$tool.log"; then
+    echo "  the cases did not run to the end (see $logs/$tool.log)"
+    status=1
+  elif ! grep -q "SUMMARY: " "$logs/$tool.log"; then
     status=1  # stopped before its summary
   elif [ $errors -gt 0 ] || { [ $rc -ne 0 ] && [ $listed -eq 0 ]; }; then
     status=1
