@@ -162,7 +162,6 @@ def test_tiny_peak_table_and_chart(tiny_run):
   assert peaks[0]["ms"]["n"] >= 2
   assert "back-to-back calls with one sync" in stdout
   assert out.with_suffix(".png").stat().st_size > 1000
-  assert out.with_suffix(".txt").read_text().strip() == stdout.strip()
   for heading in ("== fwd ==", "== fwd+bwd ==", "TF/s", "% peak", "vs peer"):
     assert heading in stdout
 
@@ -503,36 +502,20 @@ def test_back_to_back_figures_and_failure():
   assert "out of memory [1]" in text
 
 
-def test_report_shows_the_clocks():
-  """The SM clock that clocks.sampling recorded: in the b2b MHz column and the dense line."""
-  gpu = {"sm_mhz": 1395.0, "power_w": 686.7, "samples": 9}
-  peak = {"kind": "peak", "run_id": "r", "status": "ok", "dtype": "bf16", "n": 10000,
-          "flops": int(2e12), "ms": {"median": 2.0}, "gpu": dict(gpu, sm_mhz=1500.0)}
-  ok = dict(_record("mok_jax:cuda", "mok_jax", 2.0, {}), ms_b2b={"median": 1.0}, gpu_b2b=gpu)
-  text = report.table(report.derive([peak, ok]))
-  assert "b2b MHz" in text and "TFLOP/s, the 100% of '% peak', at 1500 MHz, 687 W" in text
-  row = next(line for line in text.splitlines() if line.startswith("  mok_jax:cuda"))
-  assert "1395" in row.split()
-
-
-def test_report_shows_joules_a_call():
-  """The energy that clocks.sampling read over the back-to-back timed calls, over their count:
-  in the record and in the b2b J column."""
-  gpu = {"sm_mhz": 1395.0, "power_w": 686.7, "samples": 9}
-  ok = dict(_record("mok_jax:cuda", "mok_jax", 2.0, {}), ms_b2b={"median": 1.0},
-            gpu_b2b=dict(gpu, energy_j=45.0), timing_b2b={"timed_calls": 100})
-  old = dict(_record("torch._grouped_mm", "peer", 3.0, {}), ms_b2b={"median": 1.5},
-             gpu_b2b=gpu, timing_b2b={"calls_per_sample": 4})  # no energy counted
-  derived = {r["impl"]: r for r in report.derive([ok, old])}
-  assert derived["mok_jax:cuda"]["j_per_call_b2b"] == pytest.approx(0.45)
-  assert "j_per_call_b2b" not in derived["torch._grouped_mm"]
-  text = report.table(list(derived.values()))
+def test_report_reads_the_results_files(tmp_path, capsys):
+  """--report prints a run of results/ again, from records that carry the SM clocks and joules
+  of the benches before the lab diagnostics left it: those fields are passed over."""
+  records = os.path.join(REPO, "results", "h100", "h100.jsonl")
+  assert '"energy_j"' in open(records).read()
+  assert bench_main.main(["--report", records, "--out", str(tmp_path / "again.jsonl")]) == 0
+  text = capsys.readouterr().out
+  assert "MHz" not in text and "b2b J" not in text and "691.1 TFLOP/s" in text
   head = next(line for line in text.splitlines() if line.startswith("  impl"))
-  assert "b2b MHz  b2b J" in head
-  cells = {line.split()[0]: line.split() for line in text.splitlines()
-           if line.startswith("  mok_jax:cuda") or line.startswith("  torch._grouped_mm")}
-  assert cells["mok_jax:cuda"][5:7] == ["1395", "0.45"]
-  assert cells["torch._grouped_mm"][5:7] == ["1395", "-"]
+  assert head.split()[1:] == ["median", "ms", "TF/s", "b2b", "ms", "b2b", "TF/s", "%", "peak",
+                              "vs", "peer", "mem", "GiB", "compile", "s"]
+  row = next(line for line in text.splitlines() if line.startswith("  mok_jax:cuda"))
+  # qwen3_30b's forward (results/h100/h100.txt): ms, TF/s; b2b ms, TF/s; % peak, vs peer, GiB
+  assert row.split()[1:8] == ["2.63", "469.7", "2.55", "485.3", "68.0", "1.76x", "2.83"]
 
 
 def test_ep_bytes_count_only_the_routes_that_leave_on_gpus():
@@ -590,7 +573,7 @@ def test_bad_options_are_refused(argv):
     bench_main.parse_args(["--tiny", *argv])
 
 
-def test_a_run_cut_short_keeps_its_records(tmp_path, monkeypatch):
+def test_a_run_cut_short_keeps_its_records(tmp_path, monkeypatch, capsys):
   """Each record reaches --out as it comes; --report derives the figures of such a file."""
   out = tmp_path / "bench.jsonl"
   record = dict(_record("mok_jax:xla", "mok_jax", 2.0, {"y": 1.0}), ms_b2b={"median": 1.0})
@@ -603,8 +586,9 @@ def test_a_run_cut_short_keeps_its_records(tmp_path, monkeypatch):
   with pytest.raises(KeyboardInterrupt):
     bench_main.main(["--tiny", "--out", str(out)])
   assert [json.loads(line) for line in out.read_text().splitlines()] == [record]
+  capsys.readouterr()
   assert bench_main.main(["--report", str(out), "--out", str(tmp_path / "again.jsonl")]) == 0
-  row = next(line for line in (tmp_path / "again.txt").read_text().splitlines()
+  row = next(line for line in capsys.readouterr().out.splitlines()
              if line.startswith("  mok_jax:xla"))
   assert row.split()[1:5] == ["2.00", "500.0", "1.00", "1000.0"]  # ms, TF/s; b2b ms, TF/s
 

@@ -3,5 +3,5 @@ backend and the peers a JAX user would pick instead (jax.lax.ragged_dot, tokamax
 torch._grouped_mm), against the dense-matmul peak measured in the same run.
 
 Imports point one way: __main__ -> report, runner; the workers' jobs -> torch_peer -> inputs,
-timing -> clocks; any of them -> shapes.
+timing; any of them -> shapes.
 """

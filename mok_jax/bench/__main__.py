@@ -38,7 +38,7 @@ def parse_args(argv):
   add("--mode-timeout", type=float, default=90.0, help="seconds a mode may take in its worker, "
       "the first one's start included, before it is reported as timed out (default 90)")
   add("--out", help="this run's records, a file that must not exist (default runs/bench/bench-"
-      "<UTC time>.jsonl); the table goes beside it as .txt, the chart as .png")
+      "<UTC time>.jsonl); the chart goes beside it as .png")
   add("--logs", help="folder of the workers' logs (default: a temp folder)")
   add("--report", metavar="JSONL", help="measure nothing: the table and chart of its records")
   args = p.parse_args(argv)
@@ -65,23 +65,21 @@ def parse_args(argv):
 
 
 def _render(records, out: str) -> str:
-  """The table, also written beside `out` (.txt) with the chart (.png)."""
-  stem, text = os.path.splitext(out)[0], report.table(records)
-  os.makedirs(os.path.dirname(os.path.abspath(stem)), exist_ok=True)
-  with open(stem + ".txt", "w") as f:
-    f.write(text + "\n")
+  """The table; the chart goes beside `out` (.png)."""
   try:
-    drawn = report.chart(records, stem + ".png") or "not drawn (no MoE records or matplotlib)"
+    drawn = (report.chart(records, os.path.splitext(out)[0] + ".png")
+             or "not drawn (no MoE records or matplotlib)")
   except Exception as exc:  # pylint: disable=broad-except  # a chart never loses the numbers
     drawn = f"failed: {type(exc).__name__}: {exc}"
-  print(f"table: {stem}.txt; chart: {drawn}", file=sys.stderr)
-  return text
+  print(f"chart: {drawn}", file=sys.stderr)
+  return report.table(records)
 
 
 def main(argv=None) -> int:
   args = parse_args(sys.argv[1:] if argv is None else argv)
   if args.report:
-    print(_render(report.derive(report.read_jsonl(args.report)), args.out))
+    with open(args.report) as f:
+      print(_render(report.derive([json.loads(line) for line in f if line.strip()]), args.out))
     return 0
   if args.ep > 1:  # read when JAX starts its backends, in each worker
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +

@@ -22,20 +22,16 @@ from jax.sharding import AxisType, PartitionSpec
 
 import mok_jax
 from mok_jax import expert_parallel, ops
-from mok_jax.bench import clocks, inputs, timing
+from mok_jax.bench import inputs, timing
 from mok_jax.bench.shapes import Shape, dtype_for
-from mok_jax.bench.timing import failure, stage
+from mok_jax.bench.timing import failure, record, stage
 
-PEAK_N_GPU, PEAK_N_CPU = 8192, 1024  # 8192^3 saturates an H100/H200 (1.4 ms in bf16)
+PEAK_N_GPU, PEAK_N_CPU = 8192, 1024  # 8192^3 saturates an H100 or H200
 JNP = {"bf16": jnp.bfloat16, "f32": jnp.float32}
 
 
 class Unavailable(Exception):
   """The implementation cannot run here; str(self) says why (the record's reason)."""
-
-
-def _record(raw: dict, device: dict | None) -> dict:
-  return {"event": "record", "record": raw, "device": device}
 
 
 def iter_job(job: dict):
@@ -54,12 +50,11 @@ def iter_job(job: dict):
       yield event
   except Exception as exc:  # pylint: disable=broad-except
     for mode in (m for m in job["modes"] if m not in done):
-      yield _record(dict(mode=mode, **failure(exc), detail=traceback.format_exc()[-2000:]), None)
+      yield record(dict(mode=mode, **failure(exc), detail=traceback.format_exc()[-2000:]))
 
 
 def _device() -> dict:
-  return {"platform": jax.default_backend(), "name": jax.devices()[0].device_kind,
-          "count": jax.device_count()}
+  return {"platform": jax.default_backend(), "name": jax.devices()[0].device_kind}
 
 
 def _peak_bytes():
@@ -75,8 +70,8 @@ def _peak(job: dict):
   device = _device()
   dtype = dtype_for(device["platform"])
   n = job["peak_n"] or (PEAK_N_GPU if device["platform"] == "gpu" else PEAK_N_CPU)
-  record = {"mode": "dense", "n": n, "dtype": dtype, "flops": 2 * n ** 3,
-            "inputs": "normal(0, 1)", "sets": job["sets"]}
+  raw = {"mode": "dense", "n": n, "dtype": dtype, "flops": 2 * n ** 3, "inputs": "normal(0, 1)",
+         "sets": job["sets"]}
   try:
     yield stage("dense", "building inputs")
     keys = jax.random.split(jax.random.key(job["seed"]), 2 * job["sets"])
@@ -86,17 +81,16 @@ def _peak(job: dict):
     yield stage("dense", "compiling")
     t0 = time.perf_counter()
     compiled = jax.jit(jnp.dot).lower(*pairs[0]).compile()
-    record["compile_s"] = time.perf_counter() - t0
+    raw["compile_s"] = time.perf_counter() - t0
     yield stage("dense", "warm-up and timing")
-    with clocks.sampling(record, "gpu") as mark:
-      seconds, how = timing.batched(lambda i: compiled(*pairs[i]), jax.block_until_ready,
-                                    n_sets=job["sets"], warmup_s=job["peak_warmup_s"],
-                                    reps=job["reps"], min_reps=job["min_reps"],
-                                    budget_s=job["budget_s"], on_timed=mark)
-    record.update(status="ok", ms=timing.summarize(seconds), timing=how)
+    seconds, how = timing.batched(lambda i: compiled(*pairs[i]), jax.block_until_ready,
+                                  n_sets=job["sets"], warmup_s=job["peak_warmup_s"],
+                                  reps=job["reps"], min_reps=job["min_reps"],
+                                  budget_s=job["budget_s"])
+    raw.update(status="ok", ms=timing.summarize(seconds), timing=how)
   except Exception as exc:  # pylint: disable=broad-except
-    record.update(failure(exc))
-  yield _record(record, device)
+    raw.update(failure(exc))
+  yield record(raw, device)
 
 
 def ep_bytes(shape: Shape, ep: int, b: int, experts, ragged: bool) -> dict:
@@ -128,8 +122,7 @@ def _moe(job: dict):
   try:
     layer = jax_layer(job["impl"], shape, JNP[dtype], ep)
   except Unavailable as exc:
-    yield from (_record(dict(mode=m, status="unavailable", reason=str(exc), **common), device)
-                for m in modes)
+    yield from timing.unavailable(modes, str(exc), device, **common)
     return
   yield stage(modes[0], "building inputs")
   (*params, _), sets = inputs.jax_inputs(dataclasses.replace(shape, T=shape.T * ep), JNP[dtype],
@@ -139,13 +132,13 @@ def _moe(job: dict):
     ragged = device["platform"] not in expert_parallel.DENSE_PLATFORMS
     common["ep_bytes"] = ep_bytes(shape, ep, jnp.dtype(JNP[dtype]).itemsize, sets[0][1], ragged)
   for mode in modes:
-    record = dict(mode=mode, **common)
-    record.update((yield from timing.measure(
+    raw = dict(mode=mode, **common)
+    raw.update((yield from timing.measure(
         mode, job, lambda: _compiled(layer, mode, params, sets), jax.block_until_ready,
         _abs_sums, _peak_bytes)))
-    record.setdefault("peak_mem_bytes", _peak_bytes())  # a failed mode: the peak as it stands
+    raw.setdefault("peak_mem_bytes", _peak_bytes())  # a failed mode: the peak as it stands
     gc.collect()
-    yield _record(record, device)
+    yield record(raw, device)
 
 
 def _compiled(layer, mode: str, params, sets):
@@ -205,8 +198,7 @@ def _peer(name: str):
 
   def ragged_dot(lhs, rhs, group_sizes, preferred_element_type=None, **kwargs):
     # The product in the operands' dtype, widened after: tokamax's backward rejects a cotangent
-    # of another dtype, and jax.lax.ragged_dot with f32 products ran mixtral's fwd+bwd at half
-    # the rate of bf16 ones (47 against 93 TFLOP/s on an H200).
+    # of another dtype, and jax.lax.ragged_dot's f32 products run at half the rate.
     out = grouped(lhs, rhs, group_sizes=group_sizes, **kwargs)
     return out if preferred_element_type is None else out.astype(preferred_element_type)
 
@@ -223,10 +215,9 @@ def main(argv: list[str]) -> int:
   with open(events_path, "a") as out:
     for event in iter_job(job):
       print(json.dumps(event), file=out, flush=True)
-      record = event.get("record") or {}
-      print(f"[{time.perf_counter() - start:7.1f} s] {event.get('mode') or record['mode']}: "
-            f"{event.get('stage') or record['status'] + ' ' + record.get('reason', '')}",
-            flush=True)
+      raw = event.get("record") or {}
+      print(f"[{time.perf_counter() - start:7.1f} s] {event.get('mode') or raw['mode']}: "
+            f"{event.get('stage') or raw['status'] + ' ' + raw.get('reason', '')}", flush=True)
   return 0
 
 

@@ -1,10 +1,10 @@
 """Derived figures (TFLOP/s, % of the run's dense peak, speed-up over the best peer, checksum
-agreement, joules a call), the table and the chart. Figures are derived whenever records are
-reported, so that `--report FILE` shows a file of records again."""
+agreement), the table and the chart. Figures are derived whenever records are reported, so that
+`--report FILE` shows a file of records again (fields it does not know, such as the clocks and
+joules of older records, are passed over)."""
 
 from __future__ import annotations
 
-import json
 import os
 
 from mok_jax.bench.shapes import IMPLS, MODES
@@ -15,13 +15,7 @@ CHECK_TOL = {"bf16": 2e-2, "f32": 1e-3}
 REFERENCE_ORDER = ("mok_jax:xla", "jax.ragged_dot", "tokamax.ragged_dot", "torch._grouped_mm")
 STATUS_TEXT = {"oom": "out of memory", "unavailable": "n/a"}
 COLUMNS = (("  impl", 24), ("median ms", 10), ("TF/s", 8), ("b2b ms", 8), ("b2b TF/s", 8),
-           ("b2b MHz", 7), ("b2b J", 7), ("% peak", 7), ("vs peer", 8), ("mem GiB", 8),
-           ("compile s", 9))
-
-
-def read_jsonl(path: str) -> list[dict]:
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+           ("% peak", 7), ("vs peer", 8), ("mem GiB", 8), ("compile s", 9))
 
 
 def case_key(r: dict) -> tuple:
@@ -34,15 +28,9 @@ def tflops(flops: int, ms: float) -> float:
   return flops / (ms * 1e-3) / 1e12
 
 
-def joules_a_call(gpu: dict | None, how: dict | None) -> float | None:
-  """The joules clocks.sampling read over a timing's timed calls over their count, or None."""
-  energy, calls = (gpu or {}).get("energy_j"), (how or {}).get("timed_calls")
-  return energy / calls if energy is not None and calls else None
-
-
 def derive(records: list[dict]) -> list[dict]:
-  """Copies with tflops(_b2b), j_per_call_b2b, peak_tflops, pct_of_peak, best_peer,
-  speedup_vs_best_peer, check_vs and check_result."""
+  """Copies with tflops(_b2b), peak_tflops, pct_of_peak, best_peer, speedup_vs_best_peer,
+  check_vs and check_result."""
   out, peaks, cases = [dict(r) for r in records], {}, {}
   for r in (r for r in out if r.get("kind") == "peak" and r.get("status") == "ok"):
     r["tflops"] = peaks[r.get("dtype")] = tflops(r["flops"], r["ms"]["median"])
@@ -51,8 +39,6 @@ def derive(records: list[dict]) -> list[dict]:
     r["tflops"] = tflops(r["flops"], r["ms"]["median"])
     if r.get("ms_b2b"):
       r["tflops_b2b"] = tflops(r["flops"], r["ms_b2b"]["median"])
-    if (joules := joules_a_call(r.get("gpu_b2b"), r.get("timing_b2b"))) is not None:
-      r["j_per_call_b2b"] = joules
     peak = r["peak_tflops"] = peaks.get(r.get("dtype"))
     r["pct_of_peak"] = 100.0 * r["tflops"] / peak if peak else None
   for ok in cases.values():
@@ -101,23 +87,19 @@ def _header(records: list[dict]) -> list[str]:
                        ("jax", "jaxlib", "jax-cuda13-plugin", "tokamax", "torch")
                        if versions.get(name))]
   for r in (r for r in records if r.get("kind") == "peak"):
-    gpu, how = r.get("gpu"), r.get("timing") or {}
+    how = r.get("timing") or {}
     lines.append(f"dense matmul peak: {r.get('status')} ({r.get('reason')})" if r.get("status")
                  != "ok" else f"dense {r.get('dtype')} matmul {r['n']}^3 (jnp.dot): "
                  f"{_ms(r['ms']['median'])} ms = {r['tflops']:.1f} TFLOP/s, the 100% of '% peak'"
-                 + (f", at {gpu['sm_mhz']:.0f} MHz, {gpu['power_w']:.0f} W" if gpu else "")
                  + (f"; the median of {r['ms']['n']} samples of {how['calls_per_sample']} "
                     "back-to-back calls with one sync each" if how else ""))
   sample_ms = next((round(1e3 * r["timing_b2b"]["sample_s"]) for r in records
                     if (r.get("timing_b2b") or {}).get("sample_s")), "-")
   return lines + [
-      "TF/s = FLOPs / median ms of one call and a sync a sample; FLOPs 2*T*k*3*H*I a forward, "
-      "x3 fwd+bwd",
-      f"b2b: back-to-back calls, samples of about {sample_ms} ms, one sync each; MHz (nvidia-smi), "
-      "J (NVML): the SM clock and joules a call over them",
-      "vs peer = the best peer's median / this one; compile s = jit lower+compile, or torch's "
-      "first call",
-      "mem GiB = the worker's peak device memory (fwd+bwd's covers the fwd before it)"]
+      "TF/s = FLOPs (2*T*k*3*H*I a forward, x3 fwd+bwd) / the median ms of samples of one call "
+      f"and a sync; b2b: of back-to-back calls, samples of about {sample_ms} ms, one sync each",
+      "vs peer = the best peer's median / this one; mem GiB = the worker's peak device memory; "
+      "compile s = jit lower+compile, or torch's first call"]
 
 
 def _cells(r: dict, what: str, note) -> tuple:
@@ -131,14 +113,12 @@ def _cells(r: dict, what: str, note) -> tuple:
     median += f" (n={ms['n']})"  # cut by --budget-s
   if check.startswith("mismatch"):
     median += " !" + note(f"{what}: output checksums disagree with {r['check_vs']}: {check}")
-  b2b = ("-",) * 4
+  b2b = ("-", "-")
   if r.get("ms_b2b"):
-    clock, joules = (r.get("gpu_b2b") or {}).get("sm_mhz"), r.get("j_per_call_b2b")
-    b2b = (_ms(r["ms_b2b"]["median"]), _tf(r["tflops_b2b"]), f"{clock:.0f}" if clock else "-",
-           f"{joules:.3g}" if joules else "-")
+    b2b = (_ms(r["ms_b2b"]["median"]), _tf(r["tflops_b2b"]))
   elif r.get("b2b_status"):
     b2b = (STATUS_TEXT.get(r["b2b_status"], r["b2b_status"]) + " "
-           + note(f"{what}, back to back: {r.get('b2b_reason')}"), "-", "-", "-")
+           + note(f"{what}, back to back: {r.get('b2b_reason')}"), "-")
   speed, pct = r.get("speedup_vs_best_peer"), r.get("pct_of_peak")
   return (median, _tf(r["tflops"]), *b2b, "-" if pct is None else f"{pct:.1f}",
           f"{speed:.2f}x" if speed else "-", f"{mem / 2 ** 30:.2f}" if mem else "-",

@@ -84,8 +84,7 @@ def _worker(job: dict, stem: str, timeout: float, on_record):
   job_path, events_path, log_path = stem + ".job.json", stem + ".events.jsonl", stem + ".log"
   with open(job_path, "w") as f:
     json.dump(job, f)
-  with open(events_path, "w"):
-    pass
+  open(events_path, "w").close()  # pylint: disable=consider-using-with
   got, seen, since, doing = [], 0, time.perf_counter(), "starting the worker (imports, device)"
 
   def take() -> bool:  # the new events; whether a record came
@@ -122,8 +121,8 @@ def _worker(job: dict, stem: str, timeout: float, on_record):
   if code == 0:
     return got, None
   why = f"exit code {code}" if code > 0 else f"killed by {signal.strsignal(-code)}"
-  lines = [line.strip() for line in _tail(log_path).splitlines() if line.strip()]
-  last = lines[-1][:300] if lines else "no output"
+  last = ([line.strip() for line in _tail(log_path).splitlines() if line.strip()]
+          or ["no output"])[-1][:300]
   return got, ("crashed", f"worker {why} while {doing}: {last}; log: {log_path}",
                time.perf_counter() - since)
 
@@ -139,12 +138,10 @@ def _tail(path: str) -> str:
 def describe() -> dict:
   """What a run was measured with, but for the accelerator, which its workers report. Versions
   come from metadata: importing torch here would cost seconds and a CUDA context."""
-  versions = {}
+  versions = {}  # of those installed
   for name in PACKAGES:
-    try:
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
       versions[name] = importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-      versions[name] = None
   try:  # the commit's hash (no tag names), +dirty with changes to tracked files; None outside git
     commit = subprocess.run(["git", "describe", "--always", "--exclude=*", "--abbrev=12",
                              "--dirty=+dirty"], cwd=os.path.dirname(os.path.abspath(__file__)),
@@ -178,8 +175,8 @@ def run(opts: Options, on_record=lambda record: None) -> list[dict]:
 
   def emit(event, impl, shape, label=None):
     raw, seen, env = event["record"], event.get("device") or {}, worker_env(impl)
-    if seen and impl != "torch._grouped_mm":
-      device.update(device or seen)
+    if seen and not device and impl != "torch._grouped_mm":
+      device.update(seen)
     r = {"kind": "moe" if shape else "peak", **base, "impl": impl, "group": shapes.group(impl),
          "device": seen.get("name") or device.get("name"),
          "platform": seen.get("platform") or device.get("platform"),
@@ -201,10 +198,8 @@ def run(opts: Options, on_record=lambda record: None) -> list[dict]:
   peak = next((r for r in out if r["kind"] == "peak"), {})
   progress(f"[peak] {device.get('name', '?')} ({device.get('platform') or 'platform unknown'}): "
            f"dense {peak.get('dtype')} {peak.get('n', opts.knobs['peak_n'])}^3 {_brief(peak)}")
-  if device.get("platform") or opts.impls:
-    impls = shapes.resolve_impls(opts.impls, device.get("platform") or "gpu")
-  else:  # the peak's worker died: time every backend, each says whether it can run
-    impls = list(dict.fromkeys(shapes.default_impls("gpu") + shapes.default_impls("cpu")))
+  # Without the peak's platform (its worker died), every backend: each says whether it can run.
+  impls = shapes.resolve_impls(opts.impls, device.get("platform") or "any")
   cases = [(shape, impl) for shape in opts.shapes for impl in impls]
   for n, (shape, impl) in enumerate(cases, 1):
     label = f"[{n}/{len(cases)}] {shape.name} {impl}"

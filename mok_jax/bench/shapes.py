@@ -80,9 +80,9 @@ def group(impl: str) -> str:
 
 
 def default_impls(platform: str) -> list[str]:
-  """On a GPU "ffi" is the CUDA kernel too; on a CPU it is the C++ targets."""
-  mine = ["mok_jax:cuda", "mok_jax:xla"] if platform == "gpu" else ["mok_jax:xla", "mok_jax:ffi"]
-  return mine + list(PEERS)
+  """On a GPU "ffi" is the CUDA kernel too, on a CPU the C++ targets; elsewhere every backend."""
+  mine = {"gpu": ["mok_jax:cuda", "mok_jax:xla"], "cpu": ["mok_jax:xla", "mok_jax:ffi"]}
+  return mine.get(platform, [name for name in IMPLS if name not in PEERS]) + list(PEERS)
 
 
 def resolve_impls(names: str, platform: str) -> list[str]:

@@ -9,16 +9,13 @@ import statistics
 import time
 from typing import Callable
 
-from mok_jax.bench import clocks
-
 # A slow peer's mode costs at most about compile + (WARMUP_CAP + HARD_CAP) * budget_s + 3 calls.
 WARMUP_CAP = 0.5
 HARD_CAP = 3.0
 SAMPLE_S = 0.05
 MAX_BATCH = 1000
-# Seconds of calls in a back-to-back sample of a mode: at SAMPLE_S a sample would hold one or two
-# forward+backward calls of mixtral and dsv3 (22.5-40 ms on an H200), still a sync every call or
-# two; at 250 ms every shape gets 6-86 calls a sample.
+# Seconds of calls in a back-to-back sample of a mode: at SAMPLE_S the largest shapes'
+# forward+backward would still sync every call or two.
 B2B_SAMPLE_S = 0.25
 CHECK_NAMES = ("y", "dx", "dweights", "dw_gate", "dw_up", "dw_down")
 
@@ -38,7 +35,7 @@ def repeat(run_once: Callable[[int], float], *, n_sets: int, warmup: int, reps: 
   that none re-reads what the last left in L2), synchronises and returns its seconds. Warm-up
   stops within WARMUP_CAP budgets. prior_s: the caller's first call, which may hold one-time work
   (kernel loading, cuBLAS handles), so it neither counts as warm-up nor plans the reps unless no
-  warm-up runs. on_timed() runs just before the timed calls (clocks.sampling's mark)."""
+  warm-up runs. on_timed() runs just before the timed calls (tools/ab/clocks.py's mark)."""
   own, elapsed, last = 0, 0.0, prior_s
   start = time.perf_counter()
   while not ((own >= warmup and elapsed >= warmup_s)
@@ -121,6 +118,17 @@ def stage(mode: str, text: str) -> dict:
   return {"event": "stage", "mode": mode, "stage": text}
 
 
+def record(raw: dict, device: dict | None = None) -> dict:
+  """A mode's record as a worker's event; device: {"platform", "name"} of the worker's."""
+  return {"event": "record", "record": raw, "device": device}
+
+
+def unavailable(modes, reason: str, device: dict | None = None, **common):
+  """The record events of modes that cannot run here, saying why."""
+  for mode in modes:
+    yield record(dict(mode=mode, status="unavailable", reason=reason, **common), device)
+
+
 def failure(exc: BaseException, limit: int = 400) -> dict:
   text = " ".join(f"{type(exc).__name__}: {exc}".split())
   oom = "RESOURCE_EXHAUSTED" in text or "OutOfMemory" in text or "out of memory" in text.lower()
@@ -165,14 +173,12 @@ def back_to_back(call, sync, job: dict) -> dict:
   """The mode timed as the dense peak is (batched), on half its budget: without the dispatch and
   sync latency that a call at a time pays and layers back to back in a training step do not.
   Two calls in flight hold two forwards' buffers, under what fwd+bwd needs itself, so sync(out)
-  must wait for that call alone. {"ms_b2b", "timing_b2b", "gpu_b2b": the clock and joules
-  meanwhile}, or {"b2b_status", "b2b_reason"}: the mode's other figures stand."""
-  found = {}
+  must wait for that call alone. {"ms_b2b", "timing_b2b"}, or {"b2b_status", "b2b_reason"}:
+  the mode's other figures stand."""
   try:
-    with clocks.sampling(found, "gpu_b2b") as mark:
-      seconds, how = batched(call, sync, n_sets=job["sets"], warmup_s=0.0, reps=job["reps"],
-                             min_reps=min(3, job["min_reps"]), budget_s=job["budget_s"] / 2,
-                             sample_s=B2B_SAMPLE_S, max_in_flight=2, on_timed=mark)
+    seconds, how = batched(call, sync, n_sets=job["sets"], warmup_s=0.0, reps=job["reps"],
+                           min_reps=min(3, job["min_reps"]), budget_s=job["budget_s"] / 2,
+                           sample_s=B2B_SAMPLE_S, max_in_flight=2)
   except Exception as exc:  # pylint: disable=broad-except
     return {f"b2b_{key}": value for key, value in failure(exc).items()}
-  return {"ms_b2b": summarize(seconds), "timing_b2b": how, **found}
+  return {"ms_b2b": summarize(seconds), "timing_b2b": how}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from mok_jax.bench import inputs
 from mok_jax.bench.shapes import Shape
-from mok_jax.bench.timing import failure, measure, stage
+from mok_jax.bench.timing import failure, measure, record, stage, unavailable
 
 
 def run(job: dict):
@@ -23,11 +23,9 @@ def run(job: dict):
   except Exception as exc:  # pylint: disable=broad-except
     why = "import torch failed: " + failure(exc)["reason"]
   if why:
-    yield from ({"event": "record", "record": {"mode": mode, "status": "unavailable",
-                                               "reason": why}, "device": None} for mode in modes)
+    yield from unavailable(modes, why)
     return
-  device = {"platform": "gpu", "name": torch.cuda.get_device_name(0),
-            "count": torch.cuda.device_count()}
+  device = {"platform": "gpu", "name": torch.cuda.get_device_name(0)}
   shape = Shape(**job["shape"])
   yield stage(modes[0], "building inputs")
   params, sets = _inputs(torch, shape, job)
@@ -35,10 +33,10 @@ def run(job: dict):
   for mode in modes:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    record = dict(mode=mode, **common, **(yield from _time_mode(torch, job, params, sets, mode)))
-    record.setdefault("peak_mem_bytes", int(torch.cuda.max_memory_allocated()))
+    raw = dict(mode=mode, **common, **(yield from _time_mode(torch, job, params, sets, mode)))
+    raw.setdefault("peak_mem_bytes", int(torch.cuda.max_memory_allocated()))
     torch.cuda.empty_cache()
-    yield {"event": "record", "record": record, "device": device}
+    yield record(raw, device)
 
 
 def layer(torch, x, experts, weights, w_gate, w_up, w_down):

@@ -33,11 +33,11 @@ import numpy as np
 
 import mok_jax
 from mok_jax import expert_parallel, functional
-from mok_jax.bench import clocks
 from mok_jax.bench import inputs as bench_inputs
-from mok_jax.bench import report
 from mok_jax.bench import shapes as bench_shapes
 from mok_jax.bench import timing
+
+import clocks  # tools/ab/clocks.py, beside this file
 
 
 # Kernels of one call follow each other within microseconds; between two calls lie the host's
@@ -131,14 +131,14 @@ def digest(a) -> str:
 
 
 def joules(gpu, how):
-  """", X.XXX J a call (W W)" over the timed calls of a timing that clocks.sampling watched
-  (report.joules_a_call; the draw: the joules over the timed seconds), or "" where the GPU's
-  energy was not counted. Under the power cap a call's time follows its energy: A/Bs compare
-  builds by both (docs/performance.md, The power cap)."""
-  j = report.joules_a_call(gpu, how)
-  if j is None:
+  """", X.XXX J a call (W W)": the joules that clocks.sampling read over a timing's timed calls
+  over their count (the draw: the joules over the timed seconds), or "" where the GPU's energy
+  was not counted. Under the power cap a call's time follows its energy: A/Bs compare builds
+  by both (docs/performance.md, The power cap)."""
+  energy, calls = (gpu or {}).get("energy_j"), (how or {}).get("timed_calls")
+  if energy is None or not calls:
     return ""
-  return f", {j:.3f} J a call ({gpu['energy_j'] / gpu['block_s']:.0f} W)"
+  return f", {energy / calls:.3f} J a call ({energy / gpu['block_s']:.0f} W)"
 
 
 def short(kernel):

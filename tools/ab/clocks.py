@@ -1,7 +1,8 @@
-"""The GPU's SM clock, power and energy while a timing runs. A GPU held busy at its power cap
-lowers its SM clock (an H200 from 1980 to 1290-1620 MHz), so a record carries the clock and the
-joules of its own timed calls: nvidia-smi samples the clock and draw; this file, run as a script
-(it imports nothing of mok_jax, so it starts quickly), polls NVML's energy counter.
+"""The GPU's SM clock, power and energy while measure.py times a mode. A GPU held busy at its
+power cap lowers its SM clock (an H200 from 1980 to 1290-1620 MHz), and a call's time then
+follows its energy, so an A/B compares builds at like clocks and by the joules a call:
+nvidia-smi samples the clock and draw; this file, run as a script (it imports nothing of
+mok_jax, so it starts quickly), polls NVML's energy counter.
 """
 
 from __future__ import annotations
@@ -95,9 +96,9 @@ def _finish(proc) -> str:
 @contextlib.contextmanager
 def sampling(out: dict, key: str):
   """Samples the GPU while the block runs: out[key] = parse(...) of the samples from the last
-  call of the yielded `mark` (timing's on_timed: the timed calls, not the warm-up) to the end,
-  with `energy_j` over `block_s` where NVML counts it. Without nvidia-smi or a sample, out stays
-  as it is: the timing never depends on this."""
+  call of the yielded `mark` (mok_jax.bench.timing's on_timed: the timed calls, not the
+  warm-up) to the end, with `energy_j` over `block_s` where NVML counts it. Without nvidia-smi
+  or a sample, out stays as it is: the timing never depends on this."""
   exe, visible = shutil.which("nvidia-smi"), gpu_index()
   smi = exe and _start([exe, "-i", visible, f"--query-gpu={QUERY}",
                         "--format=csv,noheader,nounits", "-lms", str(PERIOD_MS)])

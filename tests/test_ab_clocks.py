@@ -1,11 +1,12 @@
-"""The bench's SM clock and power sampling (mok_jax.bench.clocks), with a stand-in nvidia-smi:
-what a record carries, and that timing goes on without nvidia-smi (test_bench.py: what the
-report prints of it)."""
+"""The A/B's SM clock, power and energy sampling (tools/ab/clocks.py), with a stand-in
+nvidia-smi and energy poller: what a timing that it watches gets, and that the timing goes on
+without nvidia-smi or NVML (test_ab_tools.py: what measure.py prints of it)."""
 
 from __future__ import annotations
 
 import datetime
 import os
+import pathlib
 import stat
 import sys
 import textwrap
@@ -13,7 +14,13 @@ import time
 
 import pytest
 
-from mok_jax.bench import clocks, timing
+from mok_jax.bench import timing
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tools" / "ab"))
+try:
+  import clocks  # pylint: disable=import-error,wrong-import-position
+finally:
+  sys.path.pop(0)
 
 # Prints its arguments to $FAKE_SMI_ARGS, then a sample every 10 ms until terminated, stamped
 # as nvidia-smi stamps them; its draw is 120 W until $FAKE_SMI_BUSY exists, then 690-691.5 W.
@@ -64,11 +71,19 @@ def test_gpu_index_is_the_jobs_first_visible_device(visible, index, monkeypatch)
   assert clocks.gpu_index(visible) == index
 
 
+def _b2b(call, gpu: dict, reps: int, budget_s: float):
+  """measure.py's back-to-back timing, watched by clocks.sampling from its timed calls on."""
+  with clocks.sampling(gpu, "b2b") as mark:
+    return timing.batched(call, lambda out: None, n_sets=2, warmup_s=0.0, reps=reps,
+                          min_reps=reps, budget_s=budget_s, max_in_flight=2, on_timed=mark)
+
+
 def test_back_to_back_records_the_clock_it_ran_at(fake_smi):
   # Calls of 20 ms, samples of about 50 ms of them: the stand-in has started long before the end.
-  got = timing.back_to_back(lambda i: time.sleep(0.02), lambda out: None,
-                          {"sets": 2, "reps": 8, "min_reps": 8, "budget_s": 2.0})
-  gpu = got["gpu_b2b"]
+  gpu = {}
+  seconds, _ = _b2b(lambda i: time.sleep(0.02), gpu, reps=8, budget_s=2.0)
+  assert len(seconds) == 8
+  gpu = gpu["b2b"]
   assert gpu["samples"] >= 2 and 1400 <= gpu["sm_mhz"] <= 1420
   assert 690 <= gpu["power_w"] <= 691.5
   args = fake_smi.read_text().split()
@@ -77,13 +92,9 @@ def test_back_to_back_records_the_clock_it_ran_at(fake_smi):
 
 def test_without_nvidia_smi_the_timing_stands_alone(tmp_path, monkeypatch):
   monkeypatch.setenv("PATH", str(tmp_path))
-  got = timing.back_to_back(lambda i: i, lambda out: None,
-                          {"sets": 1, "reps": 2, "min_reps": 2, "budget_s": 0.2})
-  assert "gpu_b2b" not in got and got["ms_b2b"]["n"] == 2
-  out = {}
-  with clocks.sampling(out, "gpu"):
-    pass
-  assert out == {}
+  gpu = {}
+  seconds, how = _b2b(lambda i: i, gpu, reps=2, budget_s=0.2)
+  assert gpu == {} and len(seconds) == 2 and how["calls_per_sample"] >= 1
 
 
 def test_the_poller_prints_nothing_without_nvml(monkeypatch, capsys):
