@@ -1,5 +1,6 @@
 """`python -m mok_jax.bench`: the --tiny run on CPU, its JSON lines, table and chart; the
-figures derived from records; a worker that dies.
+figures derived from records; a worker that dies; the PyTorch peer's inputs, the JAX ones' bits;
+the modules' imports and size.
 
 The tiny run goes through a subprocess with JAX on the CPU, and a stand-in `tokamax` package
 on its path (it takes the call the way tokamax.ragged_dot does and runs jax.lax.ragged_dot),
@@ -9,8 +10,10 @@ given a GPU, so its row must say why it did not run.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -19,7 +22,7 @@ import numpy as np
 import pytest
 
 from mok_jax.bench import __main__ as bench_main
-from mok_jax.bench import jobs, report, runner, shapes, timing
+from mok_jax.bench import inputs, jobs, report, runner, shapes, timing, torch_peer
 
 
 def expected_flops(T, H, I, E, k, mode):
@@ -30,7 +33,7 @@ def expected_flops(T, H, I, E, k, mode):
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OK_FIELDS = ("run_id", "date", "impl", "group", "mode", "status", "device", "platform", "dtype",
+OK_FIELDS = ("run_id", "date", "impl", "mode", "status", "device", "platform", "dtype",
              "shape", "T", "H", "I", "E", "k", "flops", "ms", "tflops", "pct_of_peak",
              "compile_s", "machine", "versions", "check", "check_result", "load", "ms_b2b",
              "timing_b2b", "tflops_b2b", "peak_mem_bytes")
@@ -277,8 +280,7 @@ def test_failed_backward_and_good_forward_both_in_json(tmp_path):
   out = tmp_path / "out" / "bench.jsonl"
   env = dict(_env(str(fake)), FAKE_TOKAMAX_BWD="fail")
   proc = subprocess.run([sys.executable, "-m", "mok_jax.bench", "--tiny", "--impls", "tokamax",
-                         "--mode-timeout", "120", "--out", str(out),
-                         "--logs", str(tmp_path / "logs")], cwd=REPO, env=env,
+                         "--mode-timeout", "120", "--out", str(out)], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   rows = {r["mode"]: r for r in map(json.loads, out.read_text().splitlines())
@@ -288,6 +290,7 @@ def test_failed_backward_and_good_forward_both_in_json(tmp_path):
   assert rows["fwd+bwd"]["status"] == "error" and "ms" not in rows["fwd+bwd"]
   assert "backward not supported" in rows["fwd+bwd"]["reason"]
   assert "error [" in proc.stdout and "backward not supported" in proc.stdout
+  assert (out.parent / "bench-logs" / "tiny.tokamax.ragged_dot.log").exists()  # beside --out
 
 
 @pytest.mark.parametrize("mode,factor", [("fwd", 1), ("fwd+bwd", 3)])
@@ -421,8 +424,8 @@ def test_batched_bounds_the_calls_in_flight(monkeypatch):
   assert timed == [(kind, first + s * 5 + j) for s in range(2) for kind, j in per_sample]
 
 
-def _record(impl, group, ms, check, mode="fwd", status="ok", run_id="r"):
-  r = {"kind": "moe", "run_id": run_id, "date": "d", "impl": impl, "group": group,
+def _record(impl, ms, check, mode="fwd", status="ok", run_id="r"):
+  r = {"kind": "moe", "run_id": run_id, "date": "d", "impl": impl,
        "mode": mode, "status": status, "shape": "s", "T": 4, "H": 8, "I": 16, "E": 2, "k": 1,
        "dtype": "bf16", "skew": 0.0, "seed": 0, "flops": int(1e12)}
   if status == "ok":
@@ -436,11 +439,11 @@ def test_derive_speedup_peak_and_checks():
   peak = {"kind": "peak", "run_id": "r", "status": "ok", "dtype": "bf16", "n": 10000,
           "flops": int(2e12), "ms": {"median": 2.0}}
   records = [peak,
-             _record("mok_jax:cuda", "mok_jax", 1.0, {"y": 100.0}),
-             _record("mok_jax:xla", "mok_jax", 10.0, {"y": 100.0}),
-             _record("jax.ragged_dot", "peer", None, None, status="oom"),
-             _record("tokamax.ragged_dot", "peer", 4.0, {"y": 100.5}),
-             _record("torch._grouped_mm", "peer", 2.0, {"y": 150.0})]
+             _record("mok_jax:cuda", 1.0, {"y": 100.0}),
+             _record("mok_jax:xla", 10.0, {"y": 100.0}),
+             _record("jax.ragged_dot", None, None, status="oom"),
+             _record("tokamax.ragged_dot", 4.0, {"y": 100.5}),
+             _record("torch._grouped_mm", 2.0, {"y": 150.0})]
   got = {r.get("impl"): r for r in report.derive(records)}
   assert got[None]["tflops"] == pytest.approx(1000.0)
   cuda = got["mok_jax:cuda"]
@@ -470,7 +473,7 @@ def test_back_to_back_samples_hold_many_calls(monkeypatch):
   assert got["timing_b2b"]["calls_per_sample"] == 10
   assert got["timing_b2b"]["sample_s"] == timing.B2B_SAMPLE_S
   assert got["ms_b2b"]["median"] == pytest.approx(25.0)
-  text = report.table(report.derive([dict(_record("mok_jax:cuda", "mok_jax", 26.0, {"y": 1.0}),
+  text = report.table(report.derive([dict(_record("mok_jax:cuda", 26.0, {"y": 1.0}),
                                           **got)]))
   assert "samples of about 250 ms" in text
 
@@ -492,8 +495,8 @@ def test_back_to_back_figures_and_failure():
   assert failed["b2b_status"] == "oom" and "RESOURCE_EXHAUSTED" in failed["b2b_reason"]
   peak = {"kind": "peak", "run_id": "r", "status": "ok", "dtype": "bf16", "n": 10000,
           "flops": int(2e12), "ms": {"median": 2.0}}
-  ok = dict(_record("mok_jax:cuda", "mok_jax", 2.0, {"y": 1.0}), ms_b2b={"median": 1.0})
-  bad = dict(_record("torch._grouped_mm", "peer", 4.0, {"y": 1.0}), **failed)
+  ok = dict(_record("mok_jax:cuda", 2.0, {"y": 1.0}), ms_b2b={"median": 1.0})
+  bad = dict(_record("torch._grouped_mm", 4.0, {"y": 1.0}), **failed)
   derived = {r.get("impl"): r for r in report.derive([peak, ok, bad])}
   cuda = derived["mok_jax:cuda"]
   assert cuda["tflops_b2b"] == pytest.approx(2 * cuda["tflops"])
@@ -576,7 +579,7 @@ def test_bad_options_are_refused(argv):
 def test_a_run_cut_short_keeps_its_records(tmp_path, monkeypatch, capsys):
   """Each record reaches --out as it comes; --report derives the figures of such a file."""
   out = tmp_path / "bench.jsonl"
-  record = dict(_record("mok_jax:xla", "mok_jax", 2.0, {"y": 1.0}), ms_b2b={"median": 1.0})
+  record = dict(_record("mok_jax:xla", 2.0, {"y": 1.0}), ms_b2b={"median": 1.0})
 
   def cut_short(opts, on_record):
     on_record(record)
@@ -601,3 +604,66 @@ def test_out_must_be_a_new_file(tmp_path, capsys):
   assert "exists" in capsys.readouterr().err and out.read_text() == "{}\n"
   args = bench_main.parse_args(["--report", str(out), "--out", str(out)])
   assert args.report == str(out)
+
+
+def _jax_uniform(dims, salt, width, dtype):
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  with jax.default_device(jax.devices("cpu")[0]):
+    return inputs.uniform(dims, dtype, jnp.uint32(salt), jnp.float32(width))
+
+
+@pytest.mark.parametrize("dims,tensor_id", [((3, 5, 7), 1), ((1, 64), 100), ((4, 3, 2), 3)])
+def test_the_torch_peers_hash_is_the_jax_one(dims, tensor_id):
+  """torch_peer.uniform's steps (mod 2^32 in int64, torch having no uint32 arithmetic), run on
+  NumPy int64 and float32 as torch runs them, give inputs.uniform's f32 values bit for bit."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  salt, width = inputs.salt(7, tensor_id), 0.3
+  h = np.arange(int(np.prod(dims)), dtype=np.int64)
+  h = inputs.fmix((torch_peer._mulmod32(h & inputs.MASK32, inputs.GOLDEN) + salt) & inputs.MASK32,
+                  torch_peer._mulmod32)
+  assert h.min() >= 0 and h.max() <= inputs.MASK32 and len(np.unique(h)) == h.size
+  unit = (h >> 8).astype(np.float32) * np.float32(2.0 ** -23) - np.float32(1.0)
+  got = (unit * np.float32(width)).reshape(dims)
+  want = np.asarray(_jax_uniform(dims, salt, width, jnp.float32))
+  assert got.dtype == want.dtype == np.float32 and np.abs(want).max() <= width
+  np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.gpu
+def test_the_torch_peers_inputs_are_the_jax_ones():
+  """On the GPU, torch_peer.uniform's bf16 tensors (in slices of the leading axis) hold
+  inputs.uniform's bits: torch's checksums compare with the JAX workers'."""
+  torch = pytest.importorskip("torch")
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  for dims, width in (((3, 70, 40), (3 / 70) ** 0.5), ((2049, 33), 3 ** 0.5)):
+    salt = inputs.salt(0, 2)
+    got = torch_peer.uniform(torch, dims, salt, width, torch.bfloat16, torch.device("cuda"))
+    got = got.view(torch.int16).cpu().numpy()
+    want = np.asarray(_jax_uniform(dims, salt, width, jnp.bfloat16)).view(np.int16)
+    np.testing.assert_array_equal(got, want)
+
+
+# The package docstring's rule: __main__ -> report, runner; jobs -> torch_peer -> inputs, timing;
+# any of them -> shapes. The issue's bound on the bench's size, every .py of it counted.
+IMPORTS = {"__init__": set(), "__main__": {"report", "runner", "shapes"}, "report": {"shapes"},
+           "runner": {"shapes"}, "jobs": {"inputs", "shapes", "timing", "torch_peer"},
+           "torch_peer": {"inputs", "shapes", "timing"}, "inputs": set(), "timing": set(),
+           "shapes": set()}
+MAX_LINES = 1200
+
+
+def test_the_modules_import_one_way_and_stay_small():
+  files = sorted(pathlib.Path(REPO, "mok_jax", "bench").glob("*.py"))
+  assert {f.stem for f in files} == set(IMPORTS)
+  for f in files:
+    found = set()
+    for node in ast.walk(ast.parse(f.read_text())):
+      if isinstance(node, ast.ImportFrom) and node.module == "mok_jax.bench":
+        found |= {alias.name for alias in node.names}
+      elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mok_jax.bench."):
+        found.add(node.module.split(".")[2])
+      elif isinstance(node, ast.Import):
+        found |= {a.name.split(".")[2] for a in node.names if a.name.startswith("mok_jax.bench.")}
+    assert found == IMPORTS[f.stem], (f.stem, found)
+  assert sum(len(f.read_text().splitlines()) for f in files) <= MAX_LINES

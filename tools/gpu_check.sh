@@ -11,7 +11,7 @@
 #                      are left to the next stage)
 #   sanitize[:T,...]   tools/sanitize.sh with tools T (default: memcheck,initcheck,racecheck)
 #   bench[:ARGS]       python -m mok_jax.bench ARGS (default: every shape, every peer), with its
-#                      records, table and chart in $OUT
+#                      records, table, chart and workers' logs in $OUT
 # Each stage stops after $STAGE_TIMEOUT seconds (default 600). The script prints one line a
 # stage (exit status, seconds) and exits non-zero if any stage failed.
 set -uo pipefail
@@ -45,7 +45,7 @@ for stage in "$@"; do
       args=${arg:---impls cuda,jax,tokamax,torch --mode-timeout 30}
       # shellcheck disable=SC2086  # ARGS are words
       timeout "$limit" python3 -m mok_jax.bench $args \
-        --out "$out/bench.jsonl" --logs "$out/bench-logs" \
+        --out "$out/bench.jsonl" \
         > "$out/bench.txt" 2>&1
       rc=$?; tail -20 "$out/bench.txt"; (exit $rc) ;;
     *) echo "unknown stage $stage"; false ;;

@@ -1,5 +1,4 @@
-"""python -m mok_jax.bench [--shapes NAMES] [--shape T,H,I,E,k] [--tiny] [--impls NAMES]
-[--modes fwd,fwd+bwd] [--ep N] [--skew [S]] [--out FILE.jsonl] [--report FILE]"""
+"""`python -m mok_jax.bench`'s command line (`--help` lists its options)."""
 
 from __future__ import annotations
 
@@ -38,8 +37,7 @@ def parse_args(argv):
   add("--mode-timeout", type=float, default=90.0, help="seconds a mode may take in its worker, "
       "the first one's start included, before it is reported as timed out (default 90)")
   add("--out", help="this run's records, a file that must not exist (default runs/bench/bench-"
-      "<UTC time>.jsonl); the chart goes beside it as .png")
-  add("--logs", help="folder of the workers' logs (default: a temp folder)")
+      "<UTC time>.jsonl); beside it the chart (.png) and the workers' logs (-logs/)")
   add("--report", metavar="JSONL", help="measure nothing: the table and chart of its records")
   args = p.parse_args(argv)
   if args.out is None:
@@ -88,12 +86,9 @@ def main(argv=None) -> int:
   # The records go to --out as they come, so that a run cut short keeps them (--report derives
   # their figures); at the end the file holds them with their derived figures.
   with open(args.out, "x") as f:
-    def keep(record):
-      f.write(json.dumps(record) + "\n")
-      f.flush()
-
     done = runner.run(runner.Options(args.chosen, args.impls, args.modes, args.knobs,
-                                     args.mode_timeout, args.logs), keep)
+                                     args.mode_timeout, os.path.splitext(args.out)[0] + "-logs"),
+                      lambda record: print(json.dumps(record), file=f, flush=True))
   derived = report.derive(done)
   with open(args.out, "w") as f:
     f.writelines(json.dumps(r) + "\n" for r in derived)

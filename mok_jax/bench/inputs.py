@@ -41,7 +41,8 @@ def specs(shape, n_sets: int) -> list[tuple[int, tuple, float]]:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _uniform(dims, dtype, salt_, width):
+def uniform(dims: tuple, dtype, salt_, width):
+  """Uniform on [-width, width) from the hash of the row-major index (mod 2^32) and salt_."""
   u32 = jnp.uint32
   index = jnp.zeros(dims, u32)
   for axis, size in enumerate(dims):
@@ -49,11 +50,6 @@ def _uniform(dims, dtype, salt_, width):
   h = fmix(index * u32(GOLDEN) + salt_, lambda h, c: h * u32(c))
   unit = (h >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -23) - jnp.float32(1.0)
   return (unit * width).astype(dtype)
-
-
-def uniform(dims: tuple, salt_: int, width: float, dtype):
-  """Uniform on [-width, width) from the hash of the row-major index (mod 2^32) and salt_."""
-  return _uniform(tuple(dims), dtype, jnp.uint32(salt_), jnp.float32(width))
 
 
 _route = jax.jit(mok_jax.route, static_argnums=1)
@@ -75,17 +71,17 @@ def routing(T: int, E: int, k: int, seed: int, skew: float) -> tuple[np.ndarray,
 
 
 def load_stats(experts, E: int) -> dict:
+  """What the table shows of the routes per expert."""
   counts = np.bincount(np.asarray(experts).reshape(-1), minlength=E)[:E]
-  mean = counts.mean()
-  return {"max_over_mean": round(float(counts.max() / mean), 4) if mean else 0.0,
-          "max_routes": int(counts.max()), "min_routes": int(counts.min()),
+  return {"max_over_mean": round(float(counts.max() / counts.mean()), 4) if counts.any() else 0.0,
           "empty_experts": int((counts == 0).sum())}
 
 
 def jax_inputs(shape, dtype, seed: int, skew: float, n_sets: int):
-  """((w_gate, w_up, w_down, None: no shared expert), [(x, experts, weights, dy)] * n_sets)."""
-  w = [uniform(dims, salt(seed, tid), width, dtype) for tid, dims, width in specs(shape, n_sets)]
+  """((w_gate, w_up, w_down), [(x, experts, weights, dy)] * n_sets)."""
+  w = [uniform(dims, dtype, jnp.uint32(salt(seed, tid)), jnp.float32(width))
+       for tid, dims, width in specs(shape, n_sets)]
   sets = [(w[3 + 2 * i], *map(jnp.asarray, routing(shape.T, shape.E, shape.k, seed + 1 + i, skew)),
            w[4 + 2 * i]) for i in range(n_sets)]
   jax.block_until_ready((w[:3], sets))
-  return (*w[:3], None), sets
+  return tuple(w[:3]), sets

@@ -22,7 +22,7 @@ from jax.sharding import AxisType, PartitionSpec
 
 import mok_jax
 from mok_jax import expert_parallel, ops
-from mok_jax.bench import inputs, timing
+from mok_jax.bench import inputs, timing, torch_peer
 from mok_jax.bench.shapes import Shape, dtype_for
 from mok_jax.bench.timing import failure, record, stage
 
@@ -38,12 +38,8 @@ def iter_job(job: dict):
   """The job's events as they happen; every mode gets a record unless the process dies."""
   done = []
   try:
-    if job["impl"] == "torch._grouped_mm":
-      from mok_jax.bench import torch_peer  # pylint: disable=import-outside-toplevel
-
-      source = torch_peer.run(job)
-    else:
-      source = _peak(job) if job["kind"] == "peak" else _moe(job)
+    source = (torch_peer.run(job) if job["impl"] == "torch._grouped_mm" else
+              _peak(job) if job["kind"] == "peak" else _moe(job))
     for event in source:
       if event["event"] == "record":
         done.append(event["record"]["mode"])
@@ -70,14 +66,12 @@ def _peak(job: dict):
   device = _device()
   dtype = dtype_for(device["platform"])
   n = job["peak_n"] or (PEAK_N_GPU if device["platform"] == "gpu" else PEAK_N_CPU)
-  raw = {"mode": "dense", "n": n, "dtype": dtype, "flops": 2 * n ** 3, "inputs": "normal(0, 1)",
-         "sets": job["sets"]}
+  raw = {"mode": "dense", "n": n, "dtype": dtype, "flops": 2 * n ** 3}
   try:
     yield stage("dense", "building inputs")
     keys = jax.random.split(jax.random.key(job["seed"]), 2 * job["sets"])
     make = jax.jit(lambda key: jax.random.normal(key, (n, n), jnp.float32).astype(JNP[dtype]))
-    pairs = jax.block_until_ready([(make(keys[i]), make(keys[i + 1]))
-                                   for i in range(0, len(keys), 2)])
+    pairs = jax.block_until_ready([(make(a), make(b)) for a, b in keys.reshape(-1, 2)])
     yield stage("dense", "compiling")
     t0 = time.perf_counter()
     compiled = jax.jit(jnp.dot).lower(*pairs[0]).compile()
@@ -85,8 +79,7 @@ def _peak(job: dict):
     yield stage("dense", "warm-up and timing")
     seconds, how = timing.batched(lambda i: compiled(*pairs[i]), jax.block_until_ready,
                                   n_sets=job["sets"], warmup_s=job["peak_warmup_s"],
-                                  reps=job["reps"], min_reps=job["min_reps"],
-                                  budget_s=job["budget_s"])
+                                  **{k: job[k] for k in ("reps", "min_reps", "budget_s")})
     raw.update(status="ok", ms=timing.summarize(seconds), timing=how)
   except Exception as exc:  # pylint: disable=broad-except
     raw.update(failure(exc))
@@ -95,11 +88,10 @@ def _peak(job: dict):
 
 def ep_bytes(shape: Shape, ep: int, b: int, experts, ragged: bool) -> dict:
   """Bytes a device sends the others a call under --ep, the mean over devices: token rows, ids
-  and weights out and route outputs back; then dy out, dx and dweights back. ragged (GPUs:
-  jax.lax.ragged_all_to_all): only its routes to other devices' experts; else (XLA:CPU) whole
-  blocks of T k rows to each. "all_gather_*": what the all-gather design that the routed layer
-  replaced would move (every token row to every device, f32 partial outputs reduce-scattered;
-  the backward the same for dy and dx), for comparison; not run."""
+  and weights out, route outputs back; then dy out, dx and dweights back. ragged (GPUs): only
+  its routes to other devices' experts; else (XLA:CPU) whole blocks of T k rows to each.
+  all_gather_*: what the all-gather design that the routed layer replaced would move, every
+  token row to every device and f32 partial outputs reduce-scattered (dy and dx alike)."""
   T, H, k = shape.T, shape.H, shape.k
   if ragged:  # the rows the layer's own send layout puts in the other devices' blocks
     ids = np.asarray(experts).reshape(ep, T, k)
@@ -122,11 +114,12 @@ def _moe(job: dict):
   try:
     layer = jax_layer(job["impl"], shape, JNP[dtype], ep)
   except Unavailable as exc:
-    yield from timing.unavailable(modes, str(exc), device, **common)
+    yield from (record(dict(mode=m, status="unavailable", reason=str(exc), **common), device)
+                for m in modes)
     return
   yield stage(modes[0], "building inputs")
-  (*params, _), sets = inputs.jax_inputs(dataclasses.replace(shape, T=shape.T * ep), JNP[dtype],
-                                         job["seed"], job["skew"], job["sets"])  # T per device
+  params, sets = inputs.jax_inputs(dataclasses.replace(shape, T=shape.T * ep), JNP[dtype],
+                                   job["seed"], job["skew"], job["sets"])  # T per device
   common["load"] = inputs.load_stats(sets[0][1], shape.E)
   if ep > 1:
     ragged = device["platform"] not in expert_parallel.DENSE_PLATFORMS
@@ -207,19 +200,14 @@ def _peer(name: str):
                                                   config=mok_jax.Config())
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str]) -> None:
   job_path, events_path = argv
   with open(job_path) as f:
     job = json.load(f)
-  start = time.perf_counter()
   with open(events_path, "a") as out:
     for event in iter_job(job):
       print(json.dumps(event), file=out, flush=True)
-      raw = event.get("record") or {}
-      print(f"[{time.perf_counter() - start:7.1f} s] {event.get('mode') or raw['mode']}: "
-            f"{event.get('stage') or raw['status'] + ' ' + raw.get('reason', '')}", flush=True)
-  return 0
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  main(sys.argv[1:])

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import os
 
-from mok_jax.bench.shapes import IMPLS, MODES
+from mok_jax.bench.shapes import IMPLS, MODES, PEERS
 
 # The frameworks round a little differently (torch rounds g and u to bf16): this catches wrong
 # results, not rounding.
 CHECK_TOL = {"bf16": 2e-2, "f32": 1e-3}
-REFERENCE_ORDER = ("mok_jax:xla", "jax.ragged_dot", "tokamax.ragged_dot", "torch._grouped_mm")
+REFERENCE_ORDER = ("mok_jax:xla", *PEERS)
 STATUS_TEXT = {"oom": "out of memory", "unavailable": "n/a"}
 COLUMNS = (("  impl", 24), ("median ms", 10), ("TF/s", 8), ("b2b ms", 8), ("b2b TF/s", 8),
            ("% peak", 7), ("vs peer", 8), ("mem GiB", 8), ("compile s", 9))
@@ -42,7 +42,7 @@ def derive(records: list[dict]) -> list[dict]:
     peak = r["peak_tflops"] = peaks.get(r.get("dtype"))
     r["pct_of_peak"] = 100.0 * r["tflops"] / peak if peak else None
   for ok in cases.values():
-    best = min((r for r in ok if r.get("group") == "peer"), key=lambda r: r["ms"]["median"],
+    best = min((r for r in ok if r["impl"] in PEERS), key=lambda r: r["ms"]["median"],
                default=None)
     by_impl = {r["impl"]: r for r in ok if isinstance(r.get("check"), dict)}
     ref = next((by_impl[name] for name in REFERENCE_ORDER if name in by_impl), None)
@@ -83,9 +83,7 @@ def _header(records: list[dict]) -> list[str]:
            + (f"Zipf skew {first['skew']}" if first.get("skew") else "uniform")
            + (f", expert parallelism over {ep} devices (T and TF/s per device)" if ep > 1 else ""),
            f"{first.get('date')}  run {first.get('run_id')}  commit {first.get('commit')}  "
-           + ", ".join(f"{name} {versions[name]}" for name in
-                       ("jax", "jaxlib", "jax-cuda13-plugin", "tokamax", "torch")
-                       if versions.get(name))]
+           + ", ".join(f"{name} {version}" for name, version in versions.items() if version)]
   for r in (r for r in records if r.get("kind") == "peak"):
     how = r.get("timing") or {}
     lines.append(f"dense matmul peak: {r.get('status')} ({r.get('reason')})" if r.get("status")
@@ -149,8 +147,7 @@ def table(records: list[dict]) -> str:
         lines.append(f"{r['shape']}  T={r['T']} H={r['H']} I={r['I']} E={r['E']} k={r['k']}"
                      + (f"  (routes per expert: max/mean {load['max_over_mean']:.2f}, "
                         f"{load['empty_experts']} empty)" if load else ""))
-      impl = f"  {r['impl']}" + (f" {note(r['impl'] + ': ' + r['note'])}" if r.get("note") else "")
-      lines.append(row((impl, *_cells(r, f"{r['impl']} on {r['shape']} {mode}", note))))
+      lines.append(row((f"  {r['impl']}", *_cells(r, f"{r['impl']} on {r['shape']} {mode}", note))))
   return "\n".join(lines + [""] * bool(notes) + [f"[{i + 1}] {t}" for i, t in enumerate(notes)])
 
 
@@ -158,11 +155,8 @@ def chart(records: list[dict], path: str) -> str | None:
   """TF/s bars by shape and implementation, a panel per mode, the dense peak as a line; a failed
   run labelled where its bar would be. The path, or None without matplotlib or MoE records."""
   moe = [r for r in records if r.get("kind") == "moe"]
-  try:
-    import matplotlib  # pylint: disable=import-outside-toplevel
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  try:  # a Figure of its own draws without pyplot's state or a display
+    from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
   except ImportError:
     return None
   if not moe:
@@ -172,8 +166,8 @@ def chart(records: list[dict], path: str) -> str | None:
   modes = [m for m in MODES if any(r["mode"] == m for r in moe)]
   peak = next((r["tflops"] for r in records if r.get("kind") == "peak" and "tflops" in r), None)
   colors = dict(zip(IMPLS, ("#d62728", "#ff7f0e", "#9467bd", "#1f77b4", "#2ca02c", "#8c564b")))
-  fig, axes = plt.subplots(len(modes), 1, squeeze=False,
-                           figsize=(max(7.0, 1.9 * len(shapes) + 3.0), 3.6 * len(modes) + 1))
+  fig = Figure(figsize=(max(7.0, 1.9 * len(shapes) + 3.0), 3.6 * len(modes) + 1))
+  axes = fig.subplots(len(modes), 1, squeeze=False)
   width = 0.8 / len(impls)
   for ax, mode in zip(axes[:, 0], modes):
     top = max([r.get("tflops") or 0 for r in moe if r["mode"] == mode] + [peak or 0, 1e-9])
@@ -181,14 +175,13 @@ def chart(records: list[dict], path: str) -> str | None:
       ok, color = r.get("status") == "ok", colors[r["impl"]]
       x = shapes.index(r["shape"]) + (impls.index(r["impl"]) - (len(impls) - 1) / 2) * width
       ax.bar(x, r["tflops"] if ok else 0, width, color=color,
-             label=IMPLS[r["impl"]] if r["shape"] == shapes[0] else None)
+             label=r["impl"] if r["shape"] == shapes[0] else None)
       if not ok:
         ax.text(x, top * 0.01, STATUS_TEXT.get(r["status"], r["status"]), rotation=90,
                 ha="center", va="bottom", fontsize=7, color=color)
     if peak:
-      ax.axhline(peak, color="black", linestyle="--", linewidth=1)
-      ax.text(len(shapes) - 0.52, peak, f"dense matmul {peak:.3g} TFLOP/s", va="bottom",
-              ha="right", fontsize=8)
+      ax.axhline(peak, color="black", linestyle="--", linewidth=1,
+                 label=f"dense matmul {peak:.3g} TFLOP/s" if mode == modes[0] else None)
     ax.set(xlim=(-0.5, len(shapes) - 0.5), xticks=range(len(shapes)), xticklabels=shapes,
            ylabel="TFLOP/s", ylim=(0, top * 1.12), title=mode)
     ax.grid(axis="y", alpha=0.3)
@@ -199,5 +192,4 @@ def chart(records: list[dict], path: str) -> str | None:
   fig.tight_layout(rect=(0, 0.1, 1, 0.96))
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   fig.savefig(path, dpi=120)
-  plt.close(fig)
   return path

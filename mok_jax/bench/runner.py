@@ -18,7 +18,6 @@ import secrets
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 from mok_jax.bench import shapes
@@ -40,7 +39,7 @@ class Options:
   modes: list[str]
   knobs: dict  # what every job gets: seed, skew, ep and timing's (__main__.KNOBS)
   mode_timeout_s: float
-  log_dir: str | None = None  # None: a temp folder
+  log_dir: str  # the workers' logs
 
 
 def make_job(opts: Options, impl: str, shape: Shape | None) -> dict:
@@ -60,8 +59,6 @@ def worker_env(impl: str) -> dict:
 def execute(opts: Options, job: dict, name: str, on_record=lambda event: None) -> list[dict]:
   """The job's record events, each handed to on_record as it arrives."""
   stem = os.path.join(opts.log_dir, "".join(c if c.isalnum() or c in "._-" else "_" for c in name))
-  with contextlib.suppress(FileNotFoundError):
-    os.remove(stem + ".log")
   remaining, events = list(job["modes"]), []
   while remaining:
     got, failure = _worker(dict(job, modes=remaining), stem, opts.mode_timeout_s, on_record)
@@ -113,11 +110,10 @@ def _worker(job: dict, stem: str, timeout: float, on_record):
       if code is None and (waited := time.perf_counter() - since) > timeout:
         with contextlib.suppress(ProcessLookupError):  # the worker and what it started
           os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        if take():  # a record that landed as the worker was being killed
-          return got, None
-        return got, ("timeout", f"no result after {timeout:g} s (--mode-timeout), while "
-                     f"{doing}; log: {log_path}", waited)
+        proc.wait()  # None: a record that landed as the worker was being killed
+        return got, None if take() else (
+            "timeout", f"no result after {timeout:g} s (--mode-timeout), while {doing}; log: "
+            f"{log_path}", waited)
   if code == 0:
     return got, None
   why = f"exit code {code}" if code > 0 else f"killed by {signal.strsignal(-code)}"
@@ -166,7 +162,6 @@ def run(opts: Options, on_record=lambda record: None) -> list[dict]:
   run_id = f"{now:%Y%m%dT%H%M%SZ}-{secrets.token_hex(2)}"
   base = {"run_id": run_id, "date": now.isoformat(timespec="seconds"), "skew": opts.knobs["skew"],
           "ep": opts.knobs["ep"], "seed": opts.knobs["seed"], **describe()}
-  opts = dataclasses.replace(opts, log_dir=opts.log_dir or tempfile.mkdtemp(prefix="mok_bench_"))
   os.makedirs(opts.log_dir, exist_ok=True)
   out, device = [], {}
   progress = lambda text: print(text, file=sys.stderr, flush=True)
@@ -177,7 +172,7 @@ def run(opts: Options, on_record=lambda record: None) -> list[dict]:
     raw, seen, env = event["record"], event.get("device") or {}, worker_env(impl)
     if seen and not device and impl != "torch._grouped_mm":
       device.update(seen)
-    r = {"kind": "moe" if shape else "peak", **base, "impl": impl, "group": shapes.group(impl),
+    r = {"kind": "moe" if shape else "peak", **base, "impl": impl,
          "device": seen.get("name") or device.get("name"),
          "platform": seen.get("platform") or device.get("platform"),
          "mode_wall_s": event.get("mode_wall_s"), "env": {k: env[k] for k in ENV_VARS if k in env}}
@@ -185,7 +180,6 @@ def run(opts: Options, on_record=lambda record: None) -> list[dict]:
       r.update(shape=shape.name, T=shape.T, H=shape.H, I=shape.I, E=shape.E, k=shape.k,
                flops=shape.flops(raw["mode"]))
     r.update(raw)
-    r.setdefault("status", "error")
     r.setdefault("dtype", shapes.dtype_for(r["platform"] or "gpu"))
     out.append(r)
     on_record(r)

@@ -6,13 +6,11 @@ from __future__ import annotations
 import dataclasses
 
 MODES = ("fwd", "fwd+bwd")
-# name -> the chart's label; the order is the table's and the chart's.
-IMPLS = {"mok_jax:cuda": "mok_jax cuda", "mok_jax:xla": "mok_jax xla",
-         "mok_jax:ffi": "mok_jax ffi (C++ on CPU)", "jax.ragged_dot": "jax.lax.ragged_dot",
-         "tokamax.ragged_dot": "tokamax.ragged_dot", "torch._grouped_mm": "torch._grouped_mm"}
-ALIASES = {"cuda": "mok_jax:cuda", "xla": "mok_jax:xla", "ffi": "mok_jax:ffi",
-           "jax": "jax.ragged_dot", "tokamax": "tokamax.ragged_dot", "torch": "torch._grouped_mm"}
-PEERS = ("jax.ragged_dot", "tokamax.ragged_dot", "torch._grouped_mm")
+# In the table's and the chart's order; each has an alias (cuda, xla, ffi, jax, tokamax, torch).
+IMPLS = ("mok_jax:cuda", "mok_jax:xla", "mok_jax:ffi", "jax.ragged_dot", "tokamax.ragged_dot",
+         "torch._grouped_mm")
+ALIASES = {name.split(":")[-1].split(".")[0]: name for name in IMPLS}
+PEERS = tuple(name for name in IMPLS if not name.startswith("mok_jax:"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,8 +27,7 @@ class Shape:
 
   def __post_init__(self):
     for field in ("T", "H", "I", "E", "k"):
-      value = getattr(self, field)
-      if not isinstance(value, int) or value < 1:
+      if not isinstance(value := getattr(self, field), int) or value < 1:
         raise ValueError(f"shape {self.name}: {field} must be an int >= 1, got {value!r}")
     if self.k > self.E:
       raise ValueError(f"shape {self.name}: k = {self.k} exceeds E = {self.E}")
@@ -73,10 +70,6 @@ def select(names: str | None, custom: list[str], tiny: bool) -> list[Shape]:
       raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
     chosen.append(SHAPES[name])
   return chosen + [parse_shape(text) for text in custom] or list(SHAPES.values())
-
-
-def group(impl: str) -> str:
-  return "mok_jax" if impl.startswith("mok_jax:") else "peer" if impl in PEERS else "ceiling"
 
 
 def default_impls(platform: str) -> list[str]:

@@ -102,8 +102,6 @@ def batched(call: Callable[[int], object], sync: Callable[[object], None], *, n_
 def summarize(seconds: list[float]) -> dict:
   """Milliseconds: median, min, max, quartiles (linear between closest ranks), mean; count."""
   ms = sorted(s * 1e3 for s in seconds)
-  if not ms:
-    raise ValueError("summarize: no timings")
 
   def quantile(q: float) -> float:
     pos = q * (len(ms) - 1)
@@ -121,12 +119,6 @@ def stage(mode: str, text: str) -> dict:
 def record(raw: dict, device: dict | None = None) -> dict:
   """A mode's record as a worker's event; device: {"platform", "name"} of the worker's."""
   return {"event": "record", "record": raw, "device": device}
-
-
-def unavailable(modes, reason: str, device: dict | None = None, **common):
-  """The record events of modes that cannot run here, saying why."""
-  for mode in modes:
-    yield record(dict(mode=mode, status="unavailable", reason=reason, **common), device)
 
 
 def failure(exc: BaseException, limit: int = 400) -> dict:
@@ -147,8 +139,7 @@ def measure(mode: str, job: dict, prepare, sync, sums, peak_bytes, run_once=None
     call, compile_s = prepare()
     yield stage(mode, "first call")
     t0 = time.perf_counter()
-    first = call(0)
-    sync(first)
+    sync(first := call(0))
     first_s = time.perf_counter() - t0
     got = [float(v) for v in sums(first)]
     del first

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from mok_jax.bench import inputs
 from mok_jax.bench.shapes import Shape
-from mok_jax.bench.timing import failure, measure, record, stage, unavailable
+from mok_jax.bench.timing import failure, measure, record, stage
 
 
 def run(job: dict):
@@ -16,14 +16,13 @@ def run(job: dict):
   modes, why = job["modes"], "no expert parallelism in this implementation"
   try:
     import torch  # pylint: disable=import-outside-toplevel
-
     if job["ep"] == 1:
       why = (None if torch.cuda.is_available() and hasattr(torch, "_grouped_mm") else
              f"torch {torch.__version__} sees no CUDA device or has no torch._grouped_mm")
   except Exception as exc:  # pylint: disable=broad-except
     why = "import torch failed: " + failure(exc)["reason"]
   if why:
-    yield from unavailable(modes, why)
+    yield from (record({"mode": m, "status": "unavailable", "reason": why}) for m in modes)
     return
   device = {"platform": "gpu", "name": torch.cuda.get_device_name(0)}
   shape = Shape(**job["shape"])

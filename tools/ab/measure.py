@@ -168,7 +168,7 @@ def layer_calls(shape_name, backend):
   bench shape `shape_name` (or tiny) on the bench's inputs (seed 0; uniform routing, or the
   bench's Zipf skew MOK_AB_SKEW)."""
   shape = {s.name: s for s in (*bench_shapes.SHAPES.values(), *bench_shapes.TINY)}[shape_name]
-  (wg, wu, wd, _), sets = bench_inputs.jax_inputs(
+  (wg, wu, wd, *_), sets = bench_inputs.jax_inputs(
       shape, jnp.bfloat16, seed=0, skew=float(os.environ.get("MOK_AB_SKEW", "0")), n_sets=1)
   x, experts, weights, dy = sets[0]
   if os.environ.get("MOK_AB_DATA", "normal") == "pow2":
