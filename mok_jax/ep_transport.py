@@ -20,6 +20,11 @@ depends on the devices of its EP group, which a traced function does not know: t
 reads the devices off the mesh of the enclosing shard_map, gets the workspace of each EP group
 (`Workspace.get`, created on first use and cached) and passes the handles as the attribute
 `workspaces`; the handler takes the one that holds its GPU, whose place there is its rank.
+Where the mesh has no devices when the program is lowered (shard_map over an AbstractMesh, as
+explicitly sharded inputs give outside `jax.set_mesh`), a call of `fallback=True` (what
+Config(ep_transport="auto") asks for) lowers to the same contract computed with XLA's
+collectives (`expert_parallel.exchange`), the same bits; an explicit "nvlink" is an error
+there, saying so.
 """
 
 from __future__ import annotations
@@ -114,14 +119,15 @@ def _peer_problem() -> str | None:
   return None
 
 
-def dispatch(x, experts, weights, *, axis_name, n_local: int, n_ranks: int,
-             capacity: int) -> Dispatched:
+def dispatch(x, experts, weights, *, axis_name, n_local: int, n_ranks: int, capacity: int,
+             fallback: bool = False) -> Dispatched:
   """Target mok_ep_dispatch, under shard_map over `axis_name` (n_ranks ranks).
 
   Inputs:
     x (T, H) bf16 rows to send (x, or dy in the backward); experts (T, k) int32 global ids,
     expert e held by rank e // n_local (outside [0, n_local n_ranks): no route); weights (T, k)
-    f32 sent with each row (None: 1).
+    f32 sent with each row (None: 1). fallback: where no workspace can be found when the
+    program is lowered, XLA's collectives instead of an error (module docstring).
   Outputs:
     `Dispatched`, of capacity C = `capacity` send slots a (source, destination) block; every
     output varies over the axes x varies over.
@@ -134,7 +140,7 @@ def dispatch(x, experts, weights, *, axis_name, n_local: int, n_ranks: int,
   weights = jnp.zeros((0, k), jnp.float32) if weights is None else weights
   lay = layout_of(T, H, k, n_local, n_ranks, capacity)
   out = _dispatch_p.bind(x, experts, weights.astype(jnp.float32), axis_name=axis_name,
-                         layout=lay)
+                         layout=lay, fallback=bool(fallback))
   out = reference.vary(out[:len(DISPATCH_RESULTS) - DISPATCH_SCRATCH],
                        reference.varying_axes(x))
   *received, pos, need = out
@@ -142,14 +148,14 @@ def dispatch(x, experts, weights, *, axis_name, n_local: int, n_ranks: int,
 
 
 def combine(rows, row_weights, received: Received, pos, weights, extra, *, axis_name,
-            out_dtype):
+            out_dtype, fallback: bool = False):
   """Target mok_ep_combine, under shard_map over `axis_name`, after the dispatch whose
   `received` and `pos` it takes.
 
   Inputs:
     rows (P C, H) bf16: the output of each received row; row_weights None or (P C,) f32 sent
     back with each row; pos (T, k); weights None (every weight 1) or (T, k) f32 for the home
-    sum; extra None or (T, H) bf16 added after the routes.
+    sum; extra None or (T, H) bf16 added after the routes. fallback: as for `dispatch`.
   Outputs:
     out (T, H) of out_dtype (bf16 or f32): sum_j weights[t, j] row of (t, j) in j order, in f32,
     plus extra[t], rounded once; out_weights (T, k) f32, each route's row_weights value (0
@@ -170,7 +176,7 @@ def combine(rows, row_weights, received: Received, pos, weights, extra, *, axis_
       rows, none(0) if row_weights is None else row_weights.astype(jnp.float32), received.route,
       received.counts, pos, none(0, k) if weights is None else weights.astype(jnp.float32),
       jnp.zeros((0, H), DTYPE) if extra is None else extra.astype(DTYPE), axis_name=axis_name,
-      layout=lay, out_dtype=jnp.dtype(out_dtype))
+      layout=lay, out_dtype=jnp.dtype(out_dtype), fallback=bool(fallback))
   out, out_weights = reference.vary((out, out_weights), reference.varying_axes(rows))
   return out, (None if row_weights is None else out_weights)
 
@@ -178,8 +184,8 @@ def combine(rows, row_weights, received: Received, pos, weights, extra, *, axis_
 # --- the primitives -------------------------------------------------------------------------
 
 
-def _dispatch_avals(x, experts, weights, *, axis_name, layout):
-  del weights, axis_name
+def _dispatch_avals(x, experts, weights, *, axis_name, layout, fallback):
+  del weights, axis_name, fallback
   T, k, P, C = x.shape[0], experts.shape[1], layout.P, layout.C
   n_local = layout.E // P
   sa, i32 = jax.core.ShapedArray, jnp.int32
@@ -189,8 +195,8 @@ def _dispatch_avals(x, experts, weights, *, axis_name, layout):
 
 
 def _combine_avals(rows, row_weights, route_recv, counts_recv, pos, weights, extra, *, axis_name,
-                   layout, out_dtype):
-  del route_recv, counts_recv, weights, extra, axis_name, layout
+                   layout, out_dtype, fallback):
+  del route_recv, counts_recv, weights, extra, axis_name, layout, fallback
   T, k = pos.shape
   sa = jax.core.ShapedArray
   return [sa((T, rows.shape[1]), out_dtype),
@@ -209,12 +215,14 @@ def ep_groups(mesh, axis_name) -> tuple[tuple, ...] | None:
   return tuple(tuple(g) for g in groups)
 
 
-def _workspace_handles(mesh, axis_name, layout: WorkspaceLayout) -> np.ndarray:
-  """The workspace of each EP group of `mesh` (`ep_groups`), created on first use;
-  [NO_WORKSPACE] where the mesh has no devices or not this process's GPUs (an AbstractMesh, or
-  a program lowered for another machine: jax.export), which the handler reports if it runs."""
+def _workspace_handles(mesh, axis_name, layout: WorkspaceLayout) -> np.ndarray | None:
+  """The workspace of each EP group of `mesh` (`ep_groups`), created on first use; None for a
+  mesh without devices; [NO_WORKSPACE] for a mesh of devices that are not this process's GPUs
+  (a program lowered for another machine: jax.export), which the handler reports if it runs."""
   groups = ep_groups(mesh, axis_name)
-  if groups is None or not _this_process_gpus([d for g in groups for d in g]):
+  if groups is None:
+    return None
+  if not _this_process_gpus([d for g in groups for d in g]):
     return np.array([NO_WORKSPACE], np.int64)
   return np.array([_workspace_for(g, layout.bytes) for g in groups], np.int64)
 
@@ -229,26 +237,97 @@ def _workspace_for(devices, nbytes) -> int:
   return Workspace.get(list(devices), nbytes).handle
 
 
-def _lowering(target):
+def _lowering(target, by_collectives, custom_call=True):
+  """The lowering of a call: the custom call with the workspaces of its mesh, or (no
+  custom_call: XLA:CPU, which has none; or a fallback where the mesh has no devices) its
+  results computed with XLA's collectives."""
   rule = jax.ffi.ffi_lowering(target)
 
-  def lower(ctx, *operands, axis_name, layout, **_):
+  def lower(ctx, *operands, axis_name, layout, fallback, **params):
     mesh = getattr(ctx.module_context.axis_context, "mesh", None)
-    return rule(ctx, *operands, workspaces=_workspace_handles(mesh, axis_name, layout),
-                layout=np.array(tuple(layout.offsets().values()), np.int64))
+    handles = _workspace_handles(mesh, axis_name, layout) if custom_call else None
+    fallback = fallback or not custom_call
+    if handles is not None and (handles[0] != NO_WORKSPACE or not fallback):
+      return rule(ctx, *operands, workspaces=handles,
+                  layout=np.array(tuple(layout.offsets().values()), np.int64))
+    if not fallback:
+      raise ValueError(
+          f"moe: Config(ep_transport='nvlink') needs the devices of the mesh over axis "
+          f"{axis_name!r} when the program is lowered, to find the workspace of each EP group, "
+          "and the shard_map's mesh has none (an AbstractMesh: explicitly sharded inputs "
+          "outside jax.set_mesh, or jax.export). Lower under jax.set_mesh(mesh), give "
+          "jax.shard_map a jax.sharding.Mesh, or use ep_transport='auto' (which then moves "
+          "the rows with XLA's collectives) or 'collective'")
+    impl = functools.partial(by_collectives, axis_name=axis_name, layout=layout, **params)
+    return mlir.lower_fun(impl, multiple_results=True)(ctx, *operands)
 
   return lower
 
 
-def _primitive(target, avals):
+def _dispatch_by_collectives(x, experts, weights, *, axis_name, layout):
+  """mok_ep_dispatch's results computed with XLA's collectives: expert_parallel.plan and
+  exchange, the layout and values of the custom call (received rows past the counts: zeros)."""
+  from mok_jax import expert_parallel  # imported late: it imports this module
+
+  P, C, n_local = layout.P, layout.C, layout.E // layout.P
+  T, k = experts.shape
+  p = expert_parallel.plan(experts, n_local, P, C)
+  recv = expert_parallel.exchange(p.sent, axis_name, P)
+  move = functools.partial(expert_parallel.exchange, axis_name=axis_name, n_ranks=P,
+                           sizes=(p.sent, recv))
+  has, at = p.route >= 0, jnp.maximum(p.route, 0)
+  ids = experts.reshape(-1)
+  w = jnp.ones((T * k,), jnp.float32) if weights.shape[0] == 0 else weights.reshape(-1)
+  local = jnp.where(has, ids[at] % n_local, -1)
+  x_recv = move(jnp.where(has[:, None], x[at // k], jnp.zeros((), x.dtype)))
+  hist = jnp.zeros((P, n_local), jnp.int32).at[
+      jnp.where(has, jnp.arange(P * C) // C, P), jnp.maximum(local, 0)].add(1, mode="drop")
+  counts = expert_parallel.exchange(jnp.concatenate([p.sent[:, None], hist], axis=1),
+                                    axis_name, P)
+  valid = (ids >= 0) & (ids < n_local * P)
+  need = jnp.bincount(jnp.where(valid, ids // n_local, P), length=P + 1)[:P].astype(jnp.int32)
+  pos = jnp.where(p.slot >= 0, jnp.arange(T * k, dtype=jnp.int32).reshape(T, k), -1)
+  return [x_recv, move(local + 1) - 1, move(jnp.where(has, w[at], 0.0)), move(p.route + 1) - 1,
+          counts, pos, need, p.route, p.slot, p.sent, hist]
+
+
+def _combine_by_collectives(rows, row_weights, route_recv, counts_recv, pos, weights, extra, *,
+                            axis_name, layout, out_dtype):
+  """mok_ep_combine's results computed with XLA's collectives: each received row's output
+  back to the send slot it came from (`exchange`), into its home slot t k + j, and
+  mok_moe_combine's sum, the custom call's arithmetic."""
+  from mok_jax import expert_parallel  # imported late: it imports this module
+
+  P, (T, k), n = layout.P, pos.shape, rows.shape[0]
+  got = counts_recv[:, 0]
+  sent = expert_parallel.exchange(got, axis_name, P)
+  back = functools.partial(expert_parallel.exchange, axis_name=axis_name, n_ranks=P,
+                           sizes=(got, sent))
+  route = back(route_recv + 1) - 1  # the home route of each send slot here, -1 when empty
+  row = jnp.full((T * k,), n, jnp.int32).at[jnp.where(route >= 0, route, T * k)].set(
+      jnp.arange(n, dtype=jnp.int32), mode="drop")  # the send slot of each route, n: none
+  has, row = row < n, jnp.minimum(row, n - 1)
+  slots = jnp.where(has[:, None], back(rows)[row], jnp.zeros((), rows.dtype))
+  out = ops.moe_combine(slots, pos, None if weights.shape[0] == 0 else weights,
+                        None if extra.shape[0] == 0 else extra, out_dtype=out_dtype)
+  if row_weights.shape[0] == 0:
+    return [out, jnp.zeros((0, k), jnp.float32)]
+  returned = jnp.where(has, back(row_weights)[row], 0.0).reshape(T, k)
+  return [out, jnp.where(pos >= 0, returned, 0.0)]
+
+
+def _primitive(target, avals, by_collectives):
   p = jax.extend.core.Primitive(target)
   p.multiple_results = True
   p.def_abstract_eval(avals)
   # Outside jit (shard_map's eager mode binds inside a jit of its own) a call is compiled.
   p.def_impl(lambda *args, **params: jax.jit(functools.partial(p.bind, **params))(*args))
-  mlir.register_lowering(p, _lowering(target), platform="cuda")
+  mlir.register_lowering(p, _lowering(target, by_collectives), platform="cuda")
+  # The layer asks for the NVLink transport on GPUs only (expert_parallel.transport); on
+  # XLA:CPU the calls would be their collective form.
+  mlir.register_lowering(p, _lowering(target, by_collectives, custom_call=False), platform="cpu")
   return p
 
 
-_dispatch_p = _primitive("mok_ep_dispatch", _dispatch_avals)
-_combine_p = _primitive("mok_ep_combine", _combine_avals)
+_dispatch_p = _primitive("mok_ep_dispatch", _dispatch_avals, _dispatch_by_collectives)
+_combine_p = _primitive("mok_ep_combine", _combine_avals, _combine_by_collectives)

@@ -352,13 +352,17 @@ def _nvlink_vjp(pieces, axis_name, n_ranks, n_local, C, config):
   takes), and each route's dx and dweights come back to their home slots, dx summed in j
   order."""
 
+  # "auto": where the mesh's devices are unknown when the program is lowered, the same
+  # contract through XLA's collectives (mok_jax.ep_transport); "nvlink": an error there.
+  fallback = config.ep_transport == "auto"
+
   def send(rows, experts, weights):
     return _ep_dispatch(rows, experts, weights, axis_name=axis_name, n_local=n_local,
-                        n_ranks=n_ranks, capacity=C)
+                        n_ranks=n_ranks, capacity=C, fallback=fallback)
 
   def back(rows, row_weights, sent, weights, extra, out_dtype):
     return _ep_combine(rows, row_weights, sent.received, sent.pos, weights, extra,
-                       axis_name=axis_name, out_dtype=out_dtype)
+                       axis_name=axis_name, out_dtype=out_dtype, fallback=fallback)
 
   def forward(x, weights, experts_w, shared, experts, keep=True):
     sent = send(x, experts, weights)

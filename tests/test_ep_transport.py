@@ -35,10 +35,11 @@ def _blocks_to_peers(a, axis_name, n_ranks):
   return jax.lax.all_to_all(blocks, axis_name, 0, 0, tiled=True).reshape(a.shape)
 
 
-def emulated_dispatch(x, experts, weights, *, axis_name, n_local, n_ranks, capacity):
+def emulated_dispatch(x, experts, weights, *, axis_name, n_local, n_ranks, capacity, fallback):
   """mok_ep_dispatch by its contract (ep_transport.dispatch): expert_parallel.plan's layout, the
   rows each rank sends in blocks by source, NaN in the rows that no route fills (which nothing
   may read), -1 / 0 for their experts, routes and weights."""
+  del fallback
   T, k = experts.shape
   C = capacity
   p = expert_parallel.plan(experts, n_local, n_ranks, C)
@@ -64,9 +65,11 @@ def emulated_dispatch(x, experts, weights, *, axis_name, n_local, n_ranks, capac
   return reference.vary(out, reference.varying_axes(x))
 
 
-def emulated_combine(rows, row_weights, received, pos, weights, extra, *, axis_name, out_dtype):
+def emulated_combine(rows, row_weights, received, pos, weights, extra, *, axis_name, out_dtype,
+                     fallback):
   """mok_ep_combine by its contract (ep_transport.combine): each received row's output in its
   home slot t k + j, then the home sum of mok_moe_combine (the CPU target)."""
+  del fallback
   n_ranks = received.counts.shape[0]
   T, k = pos.shape
   move = functools.partial(_blocks_to_peers, axis_name=axis_name, n_ranks=n_ranks)
@@ -186,6 +189,17 @@ def test_nvlink_inference_has_the_training_bits(nvlink_on_cpu):
   assert_same_bits(y, want_y, "inference y")
 
 
+@pytest.mark.parametrize("Is", [None, IS], ids=["routed", "shared"])
+@pytest.mark.parametrize("ep", [1, 2, 4, 8])
+def test_the_calls_by_collectives_have_the_collective_bits(ep, Is, monkeypatch):
+  """The two calls' results computed with XLA's collectives (what they lower to where the mesh
+  has no devices, under "auto", and on XLA:CPU): the collective transport's bits."""
+  monkeypatch.setattr(expert_parallel, "nvlink_problem", lambda *args: None)
+  case = ep_case(Is, 2)
+  got = sharded_loss_and_grads(case, "ffi", mesh_of(ep), P("ep"), P("ep"), "ep", NVLINK)
+  assert_all_bits(got, collective(ep, Is, 2, "random"), f"EP={ep}")
+
+
 def calls(jaxpr, names):
   """The equations of primitives named `names` in a jaxpr, sub-jaxprs included."""
   found = []
@@ -301,10 +315,14 @@ def lowered_for_cuda(case, mesh, x_spec=P("ep"), config=NVLINK):
   """The StableHLO of forward + backward lowered for a CUDA GPU (the CPU FFI targets stand in
   for the CUDA ones at trace time: the same names and shapes)."""
   f = jax.jit(sharded_grad_fn(case, "ffi", mesh, x_spec, P("ep"), "ep", config))
-  allowed = [jax.export.DisabledSafetyCheck.custom_call(n)
-             for n in ("mok_moe_fwd", "mok_moe_bwd", *ep_transport.TARGETS)]
-  return jax.export.export(f, platforms=("cuda",), disabled_checks=allowed)(
+  return jax.export.export(f, platforms=("cuda",), disabled_checks=ALLOWED)(
       *case.params()).mlir_module()
+
+
+# Custom calls that jax.export may keep: the FFI targets', and the ragged all-to-all of the
+# calls computed with collectives.
+ALLOWED = [jax.export.DisabledSafetyCheck.custom_call(n) for n in (
+    "mok_moe_fwd", "mok_moe_bwd", "mok_moe_combine", "ragged_all_to_all", *ep_transport.TARGETS)]
 
 
 def custom_calls(hlo, target):
@@ -333,6 +351,53 @@ def test_lowered_for_cuda_holds_the_custom_calls(monkeypatch):
       assert _attribute(call, "layout") == list(lay.offsets().values())
       assert _attribute(call, "workspaces") == [ep_transport.NO_WORKSPACE]
   assert "ragged_all_to_all" not in hlo
+
+
+def test_auto_without_a_workspace_lowers_to_collectives(monkeypatch):
+  """"auto" (here past its check for a GPU) where the mesh's devices are not this process's
+  GPUs: the same calls computed with XLA's collectives (ragged all-to-alls for a GPU), so that
+  the program runs."""
+  monkeypatch.setattr(expert_parallel, "nvlink_problem", lambda *args: None)
+  hlo = lowered_for_cuda(ep_case(IS), mesh_of(4), config=mok_jax.Config())
+  assert not any(custom_calls(hlo, t) for t in ep_transport.TARGETS)
+  assert "ragged_all_to_all" in hlo
+
+
+def explicitly_sharded_grad(case, mesh, config):
+  """jit of the gradients of sum(y) of inputs placed on `mesh` (Explicit axes): tokens and the
+  expert stacks split over "ep", which sharded.sharded_moe runs in a shard_map over the
+  inputs' AbstractMesh."""
+  place = lambda a: jax.device_put(jnp.asarray(a), jax.sharding.NamedSharding(mesh, P("ep")))  # noqa: E731
+  args = [place(a) for a in (case.x, case.w_gate, case.w_up, case.w_down)]
+  experts, weights = place(case.experts), place(case.weights)
+
+  def loss(x, w_gate, w_up, w_down):
+    y = mok_jax.moe(x, experts, weights, w_gate, w_up, w_down, backend="ffi", config=config)
+    return jnp.sum(y.astype(jnp.float32))
+
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))), args
+
+
+def test_nvlink_on_an_abstract_mesh_says_why(monkeypatch):
+  """Explicitly sharded inputs outside jax.set_mesh: no devices when the program is lowered,
+  which "nvlink" needs to find its workspaces; "auto" lowers to collectives there."""
+  monkeypatch.setattr(expert_parallel, "nvlink_problem", lambda *args: None)
+  mesh = jax.make_mesh((4,), ("ep",), axis_types=(jax.sharding.AxisType.Explicit,))
+  case = ep_case(None)
+  f, args = explicitly_sharded_grad(case, mesh, NVLINK)
+  with pytest.raises(ValueError, match=r"ep_transport='nvlink'\) needs the devices of the mesh "
+                     r"over axis 'ep' when the program is lowered.*jax.set_mesh"):
+    jax.export.export(f, platforms=("cuda",), disabled_checks=ALLOWED)(*args)
+  f, args = explicitly_sharded_grad(case, mesh, mok_jax.Config())
+  hlo = jax.export.export(f, platforms=("cuda",), disabled_checks=ALLOWED)(*args).mlir_module()
+  assert not any(custom_calls(hlo, t) for t in ep_transport.TARGETS)
+  with jax.set_mesh(mesh):  # the devices are known: the custom calls
+    f, args = explicitly_sharded_grad(case, mesh, NVLINK)
+    hlo = jax.export.export(f, platforms=("cuda",), disabled_checks=ALLOWED)(*args).mlir_module()
+  # Only the gradients are returned, and d sum(y) / dy does not depend on y: the forward's
+  # combine is dead code, and gone; its dispatch stays (the backward reads its rows).
+  assert len(custom_calls(hlo, "mok_ep_dispatch")) == 2
+  assert len(custom_calls(hlo, "mok_ep_combine")) == 1
 
 
 def test_lowering_asks_for_a_workspace_a_group(monkeypatch):
