@@ -19,6 +19,11 @@ summed over ranks by shard_map, so they match one device to rounding, not in eve
 
 With P = 1 (no axis_name) the exchanges are the identity: the XLA backend's layer is this one on
 every mesh, and the FFI backends' EP = 1 has the bits of their fused single-device call.
+
+Two transports move the rows (`transport`, Config.ep_transport): XLA's collectives (`exchange`),
+or, for the CUDA kernels on GPUs of one process, the NVLink transport's custom calls
+(mok_jax.ep_transport), which compute the same plan on the device, move the rows through a
+symmetric workspace and sum at home with the same kernel: the same layout and the same bits.
 """
 
 from __future__ import annotations
