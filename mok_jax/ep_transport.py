@@ -24,12 +24,14 @@ Where the mesh has no devices when the program is lowered (shard_map over an Abs
 explicitly sharded inputs give outside `jax.set_mesh`), a call of `fallback=True` (what
 Config(ep_transport="auto") asks for) lowers to the same contract computed with XLA's
 collectives (`expert_parallel.exchange`), the same bits; an explicit "nvlink" is an error
-there, saying so.
+there, saying so. So is a workspace that does not fit in the GPU's memory (a warning under
+"auto", a MemoryError naming the bytes and XLA_PYTHON_CLIENT_MEM_FRACTION under "nvlink").
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -245,7 +247,14 @@ def _lowering(target, by_collectives, custom_call=True):
 
   def lower(ctx, *operands, axis_name, layout, fallback, **params):
     mesh = getattr(ctx.module_context.axis_context, "mesh", None)
-    handles = _workspace_handles(mesh, axis_name, layout) if custom_call else None
+    try:
+      handles = _workspace_handles(mesh, axis_name, layout) if custom_call else None
+    except MemoryError as e:
+      if not fallback:
+        raise
+      warnings.warn(f"mok_jax: Config(ep_transport='auto') moves the routed rows with XLA's "
+                    f"collectives: {e}", stacklevel=2)
+      handles = None
     fallback = fallback or not custom_call
     if handles is not None and (handles[0] != NO_WORKSPACE or not fallback):
       return rule(ctx, *operands, workspaces=handles,

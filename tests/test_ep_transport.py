@@ -363,6 +363,22 @@ def test_auto_without_a_workspace_lowers_to_collectives(monkeypatch):
   assert "ragged_all_to_all" in hlo
 
 
+def test_auto_without_room_for_a_workspace_warns_and_lowers_to_collectives(monkeypatch):
+  monkeypatch.setattr(expert_parallel, "nvlink_problem", lambda *args: None)
+  monkeypatch.setattr(ep_transport, "_this_process_gpus", lambda devices: True)
+
+  def workspace_for(devices, nbytes):
+    raise MemoryError(f"mok_jax.Workspace: could not allocate {nbytes} bytes")
+
+  monkeypatch.setattr(ep_transport, "_workspace_for", workspace_for)
+  with pytest.warns(UserWarning, match=r"ep_transport='auto'\) moves the routed rows with XLA's "
+                    r"collectives: mok_jax.Workspace: could not allocate \d+ bytes"):
+    hlo = lowered_for_cuda(ep_case(None), mesh_of(2), config=mok_jax.Config())
+  assert not any(custom_calls(hlo, t) for t in ep_transport.TARGETS)
+  with pytest.raises(MemoryError, match=r"could not allocate \d+ bytes"):
+    lowered_for_cuda(ep_case(None), mesh_of(2))
+
+
 def explicitly_sharded_grad(case, mesh, config):
   """jit of the gradients of sum(y) of inputs placed on `mesh` (Explicit axes): tokens and the
   expert stacks split over "ep", which sharded.sharded_moe runs in a shard_map over the
