@@ -57,8 +57,6 @@ COMBINE_RESULTS = ("out", "out_weights")
 TARGETS = ("mok_ep_dispatch", "mok_ep_combine")
 DTYPE = jnp.dtype(jnp.bfloat16)  # the rows the kernels move
 ROW_BYTES = 16  # rows move in 16-byte stores: H b must be a multiple of it
-MAX_RANKS = 256  # cuda/ep_transport.h, kEpMaxRanks
-MAX_LOCAL_EXPERTS = 1024  # kEpMaxLocalExperts
 NO_WORKSPACE = 0  # the handle of a program lowered without its GPUs: the handler names why
 
 
@@ -99,10 +97,12 @@ def unavailable_reason(dtype, H: int, n_local: int, n_ranks: int) -> str | None:
     return f"the transport moves {DTYPE} rows, got {jnp.dtype(dtype)}"
   if H * DTYPE.itemsize % ROW_BYTES:
     return f"a row of H = {H} is not a multiple of {ROW_BYTES} bytes"
-  if n_ranks > MAX_RANKS:
-    return f"the transport takes at most {MAX_RANKS} ranks, got {n_ranks}"
-  if n_local > MAX_LOCAL_EXPERTS:
-    return f"the transport takes at most {MAX_LOCAL_EXPERTS} experts a rank, got {n_local}"
+  limits = ops._mok_cuda.ep_transport_constants()  # cuda/ep_transport.h
+  if n_ranks > limits["max_ranks"]:
+    return f"the transport takes at most {limits['max_ranks']} ranks, got {n_ranks}"
+  if n_local > limits["max_local_experts"]:
+    return (f"the transport takes at most {limits['max_local_experts']} experts a rank, got "
+            f"{n_local}")
   if n_ranks > 1:
     return _peer_problem()
   return None

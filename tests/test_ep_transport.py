@@ -8,6 +8,7 @@ their workspaces and layout attributes."""
 from __future__ import annotations
 
 import functools
+import pathlib
 import re
 import types
 
@@ -24,6 +25,14 @@ from mok_jax import ep_transport, expert_parallel, ops, reference
 from mok_jax.workspace import Workspace
 
 T, H, I, E, K, IS = 24, 16, 8, 8, 3, 8  # T and E divide by every EP size up to 8
+EP_TRANSPORT_H = (pathlib.Path(__file__).resolve().parents[1] / "cuda" / "ep_transport.h")
+
+
+def header_constant(name):
+  """An int constant of cuda/ep_transport.h."""
+  return int(re.search(rf"constexpr int {name} = (\d+);", EP_TRANSPORT_H.read_text()).group(1))
+
+
 NVLINK = mok_jax.Config(ep_transport="nvlink")
 
 
@@ -274,7 +283,10 @@ def _gpu_process(monkeypatch, *, gpus=(0, 1), processes=1, peer=lambda a, b: Tru
   monkeypatch.setattr(jax, "process_count", lambda: processes)
   monkeypatch.setattr(jax, "local_devices", lambda: [
       types.SimpleNamespace(platform="gpu", local_hardware_id=g) for g in gpus])
-  monkeypatch.setattr(ops, "_mok_cuda", types.SimpleNamespace(can_access_peer=peer))
+  monkeypatch.setattr(ops, "_mok_cuda", types.SimpleNamespace(
+      can_access_peer=peer,
+      ep_transport_constants=lambda: {"max_ranks": header_constant("kEpMaxRanks"),
+                                      "max_local_experts": header_constant("kEpMaxLocalExperts")}))
   monkeypatch.setattr(ops, "_CUDA_TARGETS", frozenset(targets))
   ep_transport._peer_problem.cache_clear()
 
