@@ -19,21 +19,46 @@
 namespace mok::cuda {
 namespace {
 
-// Hands out 256-byte aligned pieces of one allocation.
+// Hands out 256-byte aligned pieces of one allocation (or, with a null base, only counts them).
 class Arena {
  public:
   template <class T>
   T* Take(int64_t count) {
     const int64_t at = used_;
     used_ += (count * static_cast<int64_t>(sizeof(T)) + 255) / 256 * 256;
-    return reinterpret_cast<T*>(base_ + at);
+    return base_ ? reinterpret_cast<T*>(base_ + at) : nullptr;
   }
-  void Reset(char* base) { base_ = base, used_ = 0; }
+  explicit Arena(char* base) : base_(base) {}
   int64_t used() const { return used_; }
 
  private:
   char* base_ = nullptr;
   int64_t used_ = 0;
+};
+
+struct Sizes {
+  int64_t P, T, H, k, C, E_local, R;
+  int64_t rows() const { return P * C; }
+  int64_t per() const { return 1 + E_local; }
+  int64_t routes() const { return T * k; }
+};
+
+// The buffers of one round in flight: its inputs, what the two calls take and give, and the
+// stand-in expert's outputs.
+struct WorkSet {
+  uint16_t* x;
+  int32_t* experts;
+  float* weights;  // null: unweighted
+  int32_t *route, *slot, *pos, *sent, *need, *counts_to;
+  uint16_t* x_recv;
+  int32_t* expert_recv;
+  float* weight_recv;
+  int32_t* route_recv;
+  int32_t* counts_recv;
+  uint16_t* rows_out;
+  float* row_weights;
+  uint16_t* y;
+  float* out_weights;
 };
 
 // One rank's device buffers, stream and graph.
@@ -42,72 +67,80 @@ struct Rank {
   cudaStream_t stream = nullptr;
   cudaGraphExec_t graph = nullptr;
   void* memory = nullptr;
-  EpTransportArgs args{};
-  // all rounds' inputs, and this round's
+  EpTransportArgs base{};  // dimensions, layout, peers, CTAs; the buffers come from a WorkSet
+  float* scales = nullptr;
+  // all rounds' inputs
   uint16_t* in_x = nullptr;
   int32_t* in_experts = nullptr;
   float* in_weights = nullptr;
-  uint16_t* x = nullptr;
-  int32_t* experts = nullptr;
-  float* weights = nullptr;
-  float* scales = nullptr;
-  uint16_t* rows_out = nullptr;
-  // a snapshot of the receive side, taken between dispatch and combine
-  uint16_t* snap_rows = nullptr;
-  int32_t* snap_route = nullptr;
-  int32_t* snap_expert = nullptr;
-  int32_t* snap_counts = nullptr;
+  std::vector<WorkSet> sets;
   // all rounds' results
-  uint16_t* out_recv_rows = nullptr;
-  int32_t* out_recv_route = nullptr;
-  int32_t* out_recv_expert = nullptr;
+  uint16_t* out_x_recv = nullptr;
+  int32_t* out_expert_recv = nullptr;
+  float* out_weight_recv = nullptr;
+  int32_t* out_route_recv = nullptr;
   int32_t* out_counts = nullptr;
   int32_t* out_route = nullptr;
   int32_t* out_slot = nullptr;
   int32_t* out_sent = nullptr;
   int32_t* out_need = nullptr;
   uint16_t* out_y = nullptr;
+  float* out_weights = nullptr;
 };
 
-struct Sizes {
-  int64_t P, T, H, k, C, E_local, R;
-  int64_t rows() const { return P * C; }
-  int64_t per() const { return 1 + E_local; }
-};
-
-// Lays out (or, with base null, only measures) a rank's buffers.
-int64_t Carve(const Sizes& z, bool weighted, char* base, Rank* r) {
-  Arena a;
-  a.Reset(base);
-  r->in_x = a.Take<uint16_t>(z.R * z.T * z.H);
-  r->in_experts = a.Take<int32_t>(z.R * z.T * z.k);
-  r->in_weights = weighted ? a.Take<float>(z.R * z.T * z.k) : nullptr;
-  r->x = a.Take<uint16_t>(z.T * z.H);
-  r->experts = a.Take<int32_t>(z.T * z.k);
-  r->weights = weighted ? a.Take<float>(z.T * z.k) : nullptr;
+// Lays out (or, with base null, only measures) a rank's buffers, `in_flight` work sets.
+int64_t Carve(const Sizes& z, bool weighted, int in_flight, char* base, Rank* r) {
+  Arena a(base);
   r->scales = a.Take<float>(z.E_local);
-  r->rows_out = a.Take<uint16_t>(z.rows() * z.H);
-  r->args.route = a.Take<int32_t>(z.rows());
-  r->args.slot = a.Take<int32_t>(z.T * z.k);
-  r->args.pos = a.Take<int32_t>(z.T * z.k);
-  r->args.sent = a.Take<int32_t>(z.P);
-  r->args.need = a.Take<int32_t>(z.P);
-  r->args.counts_to = a.Take<int32_t>(z.P * z.E_local);
-  r->args.y = a.Take<uint16_t>(z.T * z.H);
-  r->snap_rows = a.Take<uint16_t>(z.rows() * z.H);
-  r->snap_route = a.Take<int32_t>(z.rows());
-  r->snap_expert = a.Take<int32_t>(z.rows());
-  r->snap_counts = a.Take<int32_t>(z.P * z.per());
-  r->out_recv_rows = a.Take<uint16_t>(z.R * z.rows() * z.H);
-  r->out_recv_route = a.Take<int32_t>(z.R * z.rows());
-  r->out_recv_expert = a.Take<int32_t>(z.R * z.rows());
+  r->in_x = a.Take<uint16_t>(z.R * z.T * z.H);
+  r->in_experts = a.Take<int32_t>(z.R * z.routes());
+  r->in_weights = weighted ? a.Take<float>(z.R * z.routes()) : nullptr;
+  r->sets.assign(in_flight, WorkSet{});
+  for (WorkSet& w : r->sets) {
+    w.x = a.Take<uint16_t>(z.T * z.H);
+    w.experts = a.Take<int32_t>(z.routes());
+    w.weights = weighted ? a.Take<float>(z.routes()) : nullptr;
+    w.route = a.Take<int32_t>(z.rows());
+    w.slot = a.Take<int32_t>(z.routes());
+    w.pos = a.Take<int32_t>(z.routes());
+    w.sent = a.Take<int32_t>(z.P);
+    w.need = a.Take<int32_t>(z.P);
+    w.counts_to = a.Take<int32_t>(z.P * z.E_local);
+    w.x_recv = a.Take<uint16_t>(z.rows() * z.H);
+    w.expert_recv = a.Take<int32_t>(z.rows());
+    w.weight_recv = a.Take<float>(z.rows());
+    w.route_recv = a.Take<int32_t>(z.rows());
+    w.counts_recv = a.Take<int32_t>(z.P * z.per());
+    w.rows_out = a.Take<uint16_t>(z.rows() * z.H);
+    w.row_weights = a.Take<float>(z.rows());
+    w.y = a.Take<uint16_t>(z.T * z.H);
+    w.out_weights = a.Take<float>(z.routes());
+  }
+  r->out_x_recv = a.Take<uint16_t>(z.R * z.rows() * z.H);
+  r->out_expert_recv = a.Take<int32_t>(z.R * z.rows());
+  r->out_weight_recv = a.Take<float>(z.R * z.rows());
+  r->out_route_recv = a.Take<int32_t>(z.R * z.rows());
   r->out_counts = a.Take<int32_t>(z.R * z.P * z.per());
   r->out_route = a.Take<int32_t>(z.R * z.rows());
-  r->out_slot = a.Take<int32_t>(z.R * z.T * z.k);
+  r->out_slot = a.Take<int32_t>(z.R * z.routes());
   r->out_sent = a.Take<int32_t>(z.R * z.P);
   r->out_need = a.Take<int32_t>(z.R * z.P);
   r->out_y = a.Take<uint16_t>(z.R * z.T * z.H);
+  r->out_weights = a.Take<float>(z.R * z.routes());
   return a.used();
+}
+
+// The arguments of both calls on work set w.
+EpTransportArgs ArgsOf(const Rank& r, const WorkSet& w) {
+  EpTransportArgs a = r.base;
+  a.x = w.x, a.experts = w.experts, a.weights = w.weights;
+  a.route = w.route, a.slot = w.slot, a.pos = w.pos, a.sent = w.sent, a.need = w.need;
+  a.counts_to = w.counts_to;
+  a.x_recv = w.x_recv, a.expert_recv = w.expert_recv, a.weight_recv = w.weight_recv;
+  a.route_recv = w.route_recv, a.counts_recv = w.counts_recv;
+  a.rows = w.rows_out, a.row_weights = w.row_weights, a.extra = nullptr;
+  a.out = w.y, a.out_f32 = false, a.out_weights = w.out_weights;
+  return a;
 }
 
 // The first failure, kept; later calls only add to it when nothing failed before.
@@ -124,10 +157,6 @@ class Status {
     if (message_.empty()) message_ = what + ": " + err;
     return false;
   }
-  bool Fail(const std::string& what) {
-    if (message_.empty()) message_ = what;
-    return false;
-  }
   bool ok() const { return message_.empty(); }
   const std::string& message() const { return message_; }
 
@@ -141,55 +170,49 @@ cudaError_t CopyAsync(T* dst, const T* src, int64_t count, cudaStream_t stream) 
                          cudaMemcpyDeviceToDevice, stream);
 }
 
-// One rank's round on its stream (also what a graph captures): plan, dispatch, the snapshot of
-// what arrived, the stand-in experts, combine.
-bool EnqueueRound(const Sizes& z, Rank& r, Status& st) {
-  const EpTransportArgs& a = r.args;
-  const char* ws = static_cast<const char*>(a.own);
-  const std::string who = "rank " + std::to_string(a.rank);
-  return st.Launch(LaunchEpPlan(a, r.stream), who + ": LaunchEpPlan") &&
-         st.Launch(LaunchEpDispatch(a, r.stream), who + ": LaunchEpDispatch") &&
-         st.Cuda(CopyAsync(r.snap_rows, reinterpret_cast<const uint16_t*>(ws + a.layout.recv_rows),
-                           z.rows() * z.H, r.stream), who + ": snapshot") &&
-         st.Cuda(CopyAsync(r.snap_route, reinterpret_cast<const int32_t*>(ws + a.layout.recv_route),
-                           z.rows(), r.stream), who + ": snapshot") &&
-         st.Cuda(CopyAsync(r.snap_expert,
-                           reinterpret_cast<const int32_t*>(ws + a.layout.recv_expert), z.rows(),
-                           r.stream), who + ": snapshot") &&
-         st.Cuda(CopyAsync(r.snap_counts, reinterpret_cast<const int32_t*>(ws + a.layout.counts),
-                           z.P * z.per(), r.stream), who + ": snapshot") &&
-         st.Launch(LaunchEpScaleRows(a, r.scales, r.rows_out, r.stream),
-                   who + ": LaunchEpScaleRows") &&
-         st.Launch(LaunchEpCombine(a, r.stream), who + ": LaunchEpCombine");
+std::string Who(const Rank& r) { return "rank " + std::to_string(r.base.rank); }
+
+bool EnqueueDispatch(const Rank& r, const WorkSet& w, Status& st) {
+  return st.Launch(LaunchEpDispatch(ArgsOf(r, w), r.stream), Who(r) + ": LaunchEpDispatch");
 }
 
-// Round `round`'s inputs into place, and (after the round) its results out, on the rank's stream.
-bool EnqueueInputs(const Sizes& z, int64_t round, Rank& r, Status& st) {
-  return st.Cuda(CopyAsync(r.x, r.in_x + round * z.T * z.H, z.T * z.H, r.stream), "inputs") &&
-         st.Cuda(CopyAsync(r.experts, r.in_experts + round * z.T * z.k, z.T * z.k, r.stream),
+// The stand-in experts on what the dispatch of w received, then the combine.
+bool EnqueueCombine(const Rank& r, const WorkSet& w, Status& st) {
+  const EpTransportArgs a = ArgsOf(r, w);
+  return st.Launch(LaunchEpScaleRows(a, r.scales, w.rows_out, w.row_weights, r.stream),
+                   Who(r) + ": LaunchEpScaleRows") &&
+         st.Launch(LaunchEpCombine(a, r.stream), Who(r) + ": LaunchEpCombine");
+}
+
+// Round `round`'s inputs into w, and (after the round) its results out of w, on the rank's
+// stream.
+bool EnqueueInputs(const Sizes& z, int64_t round, const Rank& r, const WorkSet& w, Status& st) {
+  return st.Cuda(CopyAsync(w.x, r.in_x + round * z.T * z.H, z.T * z.H, r.stream), "inputs") &&
+         st.Cuda(CopyAsync(w.experts, r.in_experts + round * z.routes(), z.routes(), r.stream),
                  "inputs") &&
-         (r.weights == nullptr ||
-          st.Cuda(CopyAsync(r.weights, r.in_weights + round * z.T * z.k, z.T * z.k, r.stream),
+         (w.weights == nullptr ||
+          st.Cuda(CopyAsync(w.weights, r.in_weights + round * z.routes(), z.routes(), r.stream),
                   "inputs"));
 }
 
-bool EnqueueResults(const Sizes& z, int64_t round, Rank& r, Status& st) {
-  const EpTransportArgs& a = r.args;
-  const int64_t rows = z.rows(), tk = z.T * z.k;
-  return st.Cuda(CopyAsync(r.out_recv_rows + round * rows * z.H, r.snap_rows, rows * z.H,
-                           r.stream), "results") &&
-         st.Cuda(CopyAsync(r.out_recv_route + round * rows, r.snap_route, rows, r.stream),
+bool EnqueueResults(const Sizes& z, int64_t round, const Rank& r, const WorkSet& w, Status& st) {
+  const int64_t rows = z.rows(), tk = z.routes();
+  return st.Cuda(CopyAsync(r.out_x_recv + round * rows * z.H, w.x_recv, rows * z.H, r.stream),
                  "results") &&
-         st.Cuda(CopyAsync(r.out_recv_expert + round * rows, r.snap_expert, rows, r.stream),
+         st.Cuda(CopyAsync(r.out_expert_recv + round * rows, w.expert_recv, rows, r.stream),
                  "results") &&
-         st.Cuda(CopyAsync(r.out_counts + round * z.P * z.per(), r.snap_counts, z.P * z.per(),
+         st.Cuda(CopyAsync(r.out_weight_recv + round * rows, w.weight_recv, rows, r.stream),
+                 "results") &&
+         st.Cuda(CopyAsync(r.out_route_recv + round * rows, w.route_recv, rows, r.stream),
+                 "results") &&
+         st.Cuda(CopyAsync(r.out_counts + round * z.P * z.per(), w.counts_recv, z.P * z.per(),
                            r.stream), "results") &&
-         st.Cuda(CopyAsync(r.out_route + round * rows, a.route, rows, r.stream), "results") &&
-         st.Cuda(CopyAsync(r.out_slot + round * tk, a.slot, tk, r.stream), "results") &&
-         st.Cuda(CopyAsync(r.out_sent + round * z.P, a.sent, z.P, r.stream), "results") &&
-         st.Cuda(CopyAsync(r.out_need + round * z.P, a.need, z.P, r.stream), "results") &&
-         st.Cuda(CopyAsync(r.out_y + round * z.T * z.H, static_cast<uint16_t*>(a.y), z.T * z.H,
-                           r.stream), "results");
+         st.Cuda(CopyAsync(r.out_route + round * rows, w.route, rows, r.stream), "results") &&
+         st.Cuda(CopyAsync(r.out_slot + round * tk, w.slot, tk, r.stream), "results") &&
+         st.Cuda(CopyAsync(r.out_sent + round * z.P, w.sent, z.P, r.stream), "results") &&
+         st.Cuda(CopyAsync(r.out_need + round * z.P, w.need, z.P, r.stream), "results") &&
+         st.Cuda(CopyAsync(r.out_y + round * z.T * z.H, w.y, z.T * z.H, r.stream), "results") &&
+         st.Cuda(CopyAsync(r.out_weights + round * tk, w.out_weights, tk, r.stream), "results");
 }
 
 // out[(round, rank, ...)] = the rank's (round, ...) buffer.
@@ -225,6 +248,8 @@ std::string EpTransportSelftest(const EpSelftestArgs& in, EpSelftestResult* resu
   if (!WorkspaceLookup(in.handle, &ws)) return "no workspace has handle " + std::to_string(in.handle);
   const int P = static_cast<int>(ws.ranks.size());
   if (in.rounds < 1) return "rounds must be at least 1";
+  if (in.in_flight < 1) return "in_flight must be at least 1";
+  if (in.graph && in.in_flight != 1) return "a graph holds one round: in_flight must be 1";
   if (in.E < 1 || in.E % P != 0) return "E must be a positive multiple of the workspace's ranks";
   if (in.silent_rank < -1 || in.silent_rank >= P) return "silent_rank must be -1 or a rank";
   if (in.layout.bytes > ws.bytes)
@@ -250,7 +275,7 @@ std::string EpTransportSelftest(const EpSelftestArgs& in, EpSelftestResult* resu
   for (int s = 0; s < P && st.ok(); ++s) {
     Rank& r = ranks[s];
     r.device = ws.ranks[s].device;
-    EpTransportArgs& a = r.args;
+    EpTransportArgs& a = r.base;
     a.T = in.T, a.H = in.H, a.C = in.C, a.k = in.k, a.E_local = in.E / P;
     a.ranks = P, a.rank = s, a.layout = in.layout;
     a.peers = ws.ranks[s].peers, a.own = ws.ranks[s].base;
@@ -259,15 +284,13 @@ std::string EpTransportSelftest(const EpSelftestArgs& in, EpSelftestResult* resu
     if (!st.Launch(EpTransportCtas(r.device, on_device[r.device], &a.ctas), "EpTransportCtas"))
       break;
     if (!st.Launch(EpCheckArgs(a), "the dimensions and layout")) break;
-    const int64_t bytes = Carve(z, weighted, nullptr, &r);
+    const int64_t bytes = Carve(z, weighted, in.in_flight, nullptr, &r);
     if (!st.Cuda(cudaMalloc(&r.memory, static_cast<size_t>(bytes)), "cudaMalloc of the buffers"))
       break;
-    Carve(z, weighted, static_cast<char*>(r.memory), &r);
-    a.x = r.x, a.experts = r.experts, a.weights = r.weights, a.rows_out = r.rows_out;
-    a.extra = nullptr;
+    Carve(z, weighted, in.in_flight, static_cast<char*>(r.memory), &r);
     if (!st.Cuda(cudaStreamCreateWithFlags(&r.stream, cudaStreamNonBlocking), "a stream")) break;
     // Rank s's slice of every round's inputs: (R, P, ...) on the host.
-    const int64_t tH = z.T * z.H, tk = z.T * z.k;
+    const int64_t tH = z.T * z.H, tk = z.routes();
     for (int64_t round = 0; round < z.R && st.ok(); ++round) {
       const int64_t at = round * P + s;
       st.Cuda(cudaMemcpy(r.in_x + round * tH, in.x + at * tH, tH * 2, cudaMemcpyHostToDevice),
@@ -300,22 +323,28 @@ std::string EpTransportSelftest(const EpSelftestArgs& in, EpSelftestResult* resu
       if (!st.Cuda(cudaStreamBeginCapture(r.stream, cudaStreamCaptureModeThreadLocal),
                    "cudaStreamBeginCapture"))
         break;
-      const bool enqueued = EnqueueRound(z, r, st);
+      const bool enqueued = EnqueueDispatch(r, r.sets[0], st) && EnqueueCombine(r, r.sets[0], st);
       const cudaError_t ended = cudaStreamEndCapture(r.stream, &g);
       if (enqueued && st.Cuda(ended, "cudaStreamEndCapture"))
         st.Cuda(cudaGraphInstantiate(&r.graph, g, 0), "cudaGraphInstantiate");
       if (g) cudaGraphDestroy(g);
     }
   }
-  for (int64_t round = 0; round < z.R && st.ok(); ++round) {
+  // Rounds in groups of in_flight: each rank enqueues the group's dispatches (each into a work
+  // set of its own), then their combines, then their results.
+  for (int64_t group = 0; group < z.R && st.ok(); group += in.in_flight) {
+    const int n = static_cast<int>(std::min<int64_t>(in.in_flight, z.R - group));
     for (int s = 0; s < P && st.ok(); ++s) {
       if (!live(s)) continue;
       Rank& r = ranks[s];
       cudaSetDevice(r.device);
-      if (!EnqueueInputs(z, round, r, st)) break;
-      if (in.graph) st.Cuda(cudaGraphLaunch(r.graph, r.stream), "cudaGraphLaunch");
-      else EnqueueRound(z, r, st);
-      if (st.ok()) EnqueueResults(z, round, r, st);
+      for (int i = 0; i < n && st.ok(); ++i) {
+        if (!EnqueueInputs(z, group + i, r, r.sets[i], st)) break;
+        if (in.graph) st.Cuda(cudaGraphLaunch(r.graph, r.stream), "cudaGraphLaunch");
+        else EnqueueDispatch(r, r.sets[i], st);
+      }
+      for (int i = 0; i < n && st.ok() && !in.graph; ++i) EnqueueCombine(r, r.sets[i], st);
+      for (int i = 0; i < n && st.ok(); ++i) EnqueueResults(z, group + i, r, r.sets[i], st);
     }
   }
   // Every rank's stream, even after a failure: a trap shows here.
@@ -328,23 +357,25 @@ std::string EpTransportSelftest(const EpSelftestArgs& in, EpSelftestResult* resu
   if (st.ok()) {
     const int64_t rows = z.rows(), R = z.R;
     const bool done =
-        Gather(ranks, &Rank::out_recv_rows, rows * z.H, R, &result->recv_rows, st) &&
-        Gather(ranks, &Rank::out_recv_route, rows, R, &result->recv_route, st) &&
-        Gather(ranks, &Rank::out_recv_expert, rows, R, &result->recv_expert, st) &&
+        Gather(ranks, &Rank::out_x_recv, rows * z.H, R, &result->x_recv, st) &&
+        Gather(ranks, &Rank::out_expert_recv, rows, R, &result->expert_recv, st) &&
+        Gather(ranks, &Rank::out_weight_recv, rows, R, &result->weight_recv, st) &&
+        Gather(ranks, &Rank::out_route_recv, rows, R, &result->route_recv, st) &&
         Gather(ranks, &Rank::out_counts, z.P * z.per(), R, &result->counts, st) &&
         Gather(ranks, &Rank::out_route, rows, R, &result->route, st) &&
-        Gather(ranks, &Rank::out_slot, z.T * z.k, R, &result->slot, st) &&
+        Gather(ranks, &Rank::out_slot, z.routes(), R, &result->slot, st) &&
         Gather(ranks, &Rank::out_sent, z.P, R, &result->sent, st) &&
         Gather(ranks, &Rank::out_need, z.P, R, &result->need, st) &&
-        Gather(ranks, &Rank::out_y, z.T * z.H, R, &result->y, st);
-    result->epochs.assign(static_cast<size_t>(P) * kEpStages, 0);
+        Gather(ranks, &Rank::out_y, z.T * z.H, R, &result->y, st) &&
+        Gather(ranks, &Rank::out_weights, z.routes(), R, &result->out_weights, st);
+    result->epochs.assign(static_cast<size_t>(P) * kEpCalls, 0);
     for (int s = 0; done && s < P; ++s) {
       EpSync sync{};
       cudaSetDevice(ranks[s].device);
-      st.Cuda(cudaMemcpy(&sync, static_cast<const char*>(ranks[s].args.own) + in.layout.sync,
+      st.Cuda(cudaMemcpy(&sync, static_cast<const char*>(ranks[s].base.own) + in.layout.sync,
                          sizeof(sync), cudaMemcpyDeviceToHost), "the epochs");
-      for (int stage = 0; stage < kEpStages; ++stage)
-        result->epochs[s * kEpStages + stage] = sync.epoch[stage];
+      for (int call = 0; call < kEpCalls; ++call)
+        result->epochs[s * kEpCalls + call] = sync.epoch[call];
     }
   }
 

@@ -54,6 +54,7 @@ mok::cuda::EpLayout LayoutOf(const nb::dict& d) {
   auto get = [&](const char* name) { return nb::cast<int64_t>(d[name]); };
   l.recv_rows = get("recv_rows"), l.combine_slots = get("combine_slots");
   l.recv_route = get("recv_route"), l.recv_expert = get("recv_expert");
+  l.recv_weight = get("recv_weight"), l.combine_weight = get("combine_weight");
   l.counts = get("counts"), l.flags = get("flags"), l.sync = get("sync");
   l.bytes = get("bytes");
   return l;
@@ -75,6 +76,8 @@ NB_MODULE(_mok_cuda, m) {
     targets["mok_moe_fwd"] = mok::Capsule(MokMoeFwdCuda);
     targets["mok_moe_bwd"] = mok::Capsule(MokMoeBwdCuda);
     targets["mok_moe_combine"] = mok::Capsule(MokMoeCombineCuda);
+    targets["mok_ep_dispatch"] = mok::Capsule(MokEpDispatchCuda);
+    targets["mok_ep_combine"] = mok::Capsule(MokEpCombineCuda);
     return targets;
   });
 
@@ -85,6 +88,17 @@ NB_MODULE(_mok_cuda, m) {
     const auto status = mok::cuda::WorkspaceCreate(devices, bytes, &handle, &message);
     return std::make_tuple(handle, std::string(StatusName(status)), message);
   });
+  m.def("can_access_peer", [](int device, int peer) {
+    int can = 0;
+    if (const cudaError_t err = cudaDeviceCanAccessPeer(&can, device, peer); err != cudaSuccess) {
+      cudaGetLastError();
+      throw std::runtime_error(std::string("cudaDeviceCanAccessPeer(") + std::to_string(device) +
+                               ", " + std::to_string(peer) + ") failed: " +
+                               cudaGetErrorString(err));
+    }
+    return can != 0;
+  }, nb::arg("device"), nb::arg("peer"),
+  "Whether GPU `device` can map GPU `peer`'s memory (cudaDeviceCanAccessPeer).");
   m.def("workspace_free", [](int64_t handle) { return mok::cuda::WorkspaceFree(handle); });
   m.def("workspace_info", [](int64_t handle) {
     mok::cuda::WorkspaceInfo info;
@@ -106,6 +120,7 @@ NB_MODULE(_mok_cuda, m) {
   m.def("ep_transport_constants", []() {
     nb::dict d;
     d["stages"] = static_cast<int>(mok::cuda::kEpStages);
+    d["layout_fields"] = mok::cuda::kEpLayoutFields;
     d["sync_bytes"] = mok::cuda::kEpSyncBytes;
     d["wait_bound_ns"] = mok::cuda::kEpWaitBoundNs;
     d["max_ranks"] = mok::cuda::kEpMaxRanks;
@@ -117,7 +132,8 @@ NB_MODULE(_mok_cuda, m) {
       "ep_transport_selftest",
       [](int64_t handle, const nb::dict& layout, int64_t C, HostArray<uint16_t> x,
          HostArray<int32_t> experts, std::optional<HostArray<float>> weights,
-         HostArray<float> scales, bool graph, int silent_rank, uint64_t wait_bound_ns) {
+         HostArray<float> scales, bool graph, int in_flight, int silent_rank,
+         uint64_t wait_bound_ns) {
         if (x.ndim() != 4 || experts.ndim() != 4 || scales.ndim() != 1)
           throw std::invalid_argument(
               "ep_transport_selftest: x (R, P, T, H), experts (R, P, T, k), scales (E)");
@@ -133,7 +149,8 @@ NB_MODULE(_mok_cuda, m) {
               "ep_transport_selftest: x's second axis must be the workspace's ranks");
         a.T = static_cast<int64_t>(T), a.H = static_cast<int64_t>(H), a.C = C;
         a.k = static_cast<int>(k), a.E = static_cast<int>(E), a.rounds = static_cast<int>(R);
-        a.graph = graph, a.silent_rank = silent_rank, a.wait_bound_ns = wait_bound_ns;
+        a.graph = graph, a.in_flight = in_flight, a.silent_rank = silent_rank;
+        a.wait_bound_ns = wait_bound_ns;
         a.x = x.data(), a.experts = experts.data(), a.scales = scales.data();
         a.weights = weights ? weights->data() : nullptr;
         mok::cuda::EpSelftestResult out;
@@ -145,21 +162,24 @@ NB_MODULE(_mok_cuda, m) {
         if (!error.empty()) throw std::runtime_error("ep_transport_selftest: " + error);
         const size_t rows = P * static_cast<size_t>(C), per = 1 + E / P;
         nb::dict d;
-        d["recv_rows"] = ToNumpy(std::move(out.recv_rows), {R, P, rows, H});
-        d["recv_route"] = ToNumpy(std::move(out.recv_route), {R, P, rows});
-        d["recv_expert"] = ToNumpy(std::move(out.recv_expert), {R, P, rows});
+        d["x_recv"] = ToNumpy(std::move(out.x_recv), {R, P, rows, H});
+        d["expert_recv"] = ToNumpy(std::move(out.expert_recv), {R, P, rows});
+        d["weight_recv"] = ToNumpy(std::move(out.weight_recv), {R, P, rows});
+        d["route_recv"] = ToNumpy(std::move(out.route_recv), {R, P, rows});
         d["counts"] = ToNumpy(std::move(out.counts), {R, P, P, per});
         d["route"] = ToNumpy(std::move(out.route), {R, P, rows});
         d["slot"] = ToNumpy(std::move(out.slot), {R, P, T, k});
         d["sent"] = ToNumpy(std::move(out.sent), {R, P, P});
         d["need"] = ToNumpy(std::move(out.need), {R, P, P});
         d["y"] = ToNumpy(std::move(out.y), {R, P, T, H});
-        d["epochs"] = ToNumpy(std::move(out.epochs), {P, static_cast<size_t>(mok::cuda::kEpStages)});
+        d["out_weights"] = ToNumpy(std::move(out.out_weights), {R, P, T, k});
+        d["epochs"] = ToNumpy(std::move(out.epochs), {P, static_cast<size_t>(mok::cuda::kEpCalls)});
         return d;
       },
       nb::arg("handle"), nb::arg("layout"), nb::arg("capacity"), nb::arg("x"),
       nb::arg("experts"), nb::arg("weights").none(), nb::arg("scales"), nb::arg("graph") = false,
-      nb::arg("silent_rank") = -1, nb::arg("wait_bound_ns") = mok::cuda::kEpWaitBoundNs,
+      nb::arg("in_flight") = 1, nb::arg("silent_rank") = -1,
+      nb::arg("wait_bound_ns") = mok::cuda::kEpWaitBoundNs,
       "Runs the NVLink transport's P ranks of workspace `handle` for R rounds (see "
       "ffi/ep_transport_selftest.h); x is bf16 as uint16 bits. Returns each rank's results "
       "after each round, (R, P, ...).");

@@ -6,3 +6,6 @@
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MokMoeFwdCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MokMoeBwdCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MokMoeCombineCuda);
+// The NVLink transport of expert parallelism (ep_transport_cuda.cc): CUDA only.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MokEpDispatchCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MokEpCombineCuda);

@@ -29,10 +29,12 @@ class Config:
       and recomputes gu from it with the forward's own gate|up GEMM, 2/3 of a forward's FLOPs
       (forward + backward do 11/9 of the save mode's work). The same bits either way. Not
       differentiated (inference), the layer's forward keeps neither whatever this knob says.
-    ep_transport: how expert parallelism (`moe(..., axis_name=...)`) moves the routed rows.
-      "collective": XLA's ragged all-to-all (mok_jax.expert_parallel); "auto": the best transport
-      there is, today "collective"; "nvlink" (the CUDA kernels' own, over NVLink, on a
-      `mok_jax.Workspace`: docs/expert_parallel.md) is not wired into the layer yet and raises.
+    ep_transport: how expert parallelism (`moe(..., axis_name=...)`) moves the routed rows, with
+      the same layout and the same bits either way. "collective": XLA's ragged all-to-all
+      (mok_jax.expert_parallel); "nvlink": the CUDA kernels' own transport, over NVLink (or PCIe
+      peer-to-peer) on a `mok_jax.Workspace` (mok_jax.ep_transport, docs/expert_parallel.md),
+      for the CUDA backend on the GPUs of one process that reach each other's memory, an error
+      elsewhere; "auto": "nvlink" where it can run, else "collective".
     ep_capacity: None (dropless, the default) or the most routed rows that one rank sends to
       another in one call. Each rank's send and receive buffers hold P * C rows of H (P ranks,
       C = ep_capacity, or T k without it: every route of a rank to one rank). A call that needs

@@ -19,6 +19,11 @@ summed over ranks by shard_map, so they match one device to rounding, not in eve
 
 With P = 1 (no axis_name) the exchanges are the identity: the XLA backend's layer is this one on
 every mesh, and the FFI backends' EP = 1 has the bits of their fused single-device call.
+
+Two transports move the rows (`transport`, Config.ep_transport): XLA's collectives (`exchange`),
+or, for the CUDA kernels on GPUs of one process, the NVLink transport's custom calls
+(mok_jax.ep_transport), which compute the same plan on the device, move the rows through a
+symmetric workspace and sum at home with the same kernel: the same layout and the same bits.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from mok_jax import ops, reference
+from mok_jax import ep_transport, ops, reference
 from mok_jax.config import Config
 
 
@@ -78,11 +83,12 @@ def _raise_overflow(need, C):
         f"Config.ep_capacity = {C}; raise ep_capacity (or leave it None: dropless)")
 
 
-def check_capacity(p: Plan, C: int, config: Config):
+def check_capacity(need, C: int, config: Config):
   """With Config.ep_capacity set, an error from the device when a rank needs more than C slots
-  towards some rank (a host callback each call: the price of a bound). Dropless needs none."""
+  towards some rank (need: () int32, the most routes it sends one rank; a host callback each
+  call: the price of a bound). Dropless needs none."""
   if config.ep_capacity is not None:
-    jax.debug.callback(functools.partial(_raise_overflow, C=C), p.need)
+    jax.debug.callback(functools.partial(_raise_overflow, C=C), need)
 
 
 # Platforms whose XLA has no ragged all-to-all (XLA:CPU): they move whole (C, ...) blocks.
@@ -220,6 +226,36 @@ class FfiPieces(NamedTuple):
     return g.x, g.shared
 
 
+def transport(config: Config, pieces, dtype, H: int, n_local: int, n_ranks: int) -> str:
+  """The transport that moves the routed rows: Config.ep_transport, with "auto" resolved to
+  "nvlink" where the NVLink transport can run (the CUDA kernels of one process's GPUs that
+  reach each other's memory) and to "collective" elsewhere; "nvlink" where it cannot is an
+  error saying why."""
+  if config.ep_transport == "collective":
+    return "collective"
+  problem = nvlink_problem(pieces, dtype, H, n_local, n_ranks)
+  if config.ep_transport == "auto":
+    return "collective" if problem else "nvlink"
+  if problem:
+    raise ValueError(f"moe: Config(ep_transport='nvlink') cannot run here: {problem}. Use "
+                     "ep_transport='collective' (XLA's all-to-all), or 'auto', which picks it "
+                     "where the NVLink transport cannot run")
+  return "nvlink"
+
+
+def nvlink_problem(pieces, dtype, H: int, n_local: int, n_ranks: int) -> str | None:
+  """Why the NVLink transport (mok_jax.ep_transport) cannot move this layer's rows, or None."""
+  if not isinstance(pieces, FfiPieces):
+    return ("the XLA backend moves the routed rows with XLA's collectives; the NVLink "
+            "transport runs with the CUDA kernels (backend 'cuda', or 'ffi' and 'auto' on a "
+            "Hopper GPU)")
+  platform = jax.default_backend()
+  if platform != "gpu":
+    return (f"JAX's default backend is {platform!r}, where the FFI targets are the C++ CPU "
+            "reference; the NVLink transport runs on CUDA GPUs only")
+  return ep_transport.unavailable_reason(dtype, H, n_local, n_ranks)
+
+
 def routed_moe(x, experts, weights, w_gate, w_up, w_down, shared, *, pieces, axis_name,
                config: Config):
   """y of `mok_jax.moe`'s contract, routed as the module's docstring says.
@@ -227,17 +263,18 @@ def routed_moe(x, experts, weights, w_gate, w_up, w_down, shared, *, pieces, axi
   x (T, H); experts (T, k) global ids (int); weights (T, k) f32; w_gate, w_up (E_local, H, I),
   w_down (E_local, I, H) the experts of this rank; shared None or its three weights; pieces:
   XlaPieces or FfiPieces; axis_name: the shard_map axis of the experts, or None (one rank).
+  The transport (`transport`): XLA's collectives (`exchange`), or the NVLink transport's custom
+  calls (mok_jax.ep_transport) with the same layout and the same bits.
   """
-  if config.ep_transport == "nvlink" and axis_name is not None:
-    raise ValueError("moe: Config(ep_transport='nvlink') is not available yet: its symmetric "
-                     "workspace (mok_jax.Workspace) and transport kernels exist but no custom "
-                     "call runs them in the layer (docs/expert_parallel.md); use 'collective' "
-                     "or 'auto'")
   n_ranks = 1 if axis_name is None else int(jax.lax.axis_size(axis_name))
   T, k = experts.shape
   C = capacity(T, k, config)
+  if axis_name is not None and transport(config, pieces, x.dtype, x.shape[1], w_gate.shape[0],
+                                         n_ranks) == "nvlink":
+    return _nvlink_moe(x, experts, weights, w_gate, w_up, w_down, shared, pieces=pieces,
+                       axis_name=axis_name, n_ranks=n_ranks, C=C, config=config)
   p = plan(experts, w_gate.shape[0], n_ranks, C)
-  check_capacity(p, C, config)
+  check_capacity(p.need, C, config)
   # Each send slot's expert as its destination holds it: rank e // E_local's expert e % E_local.
   ids = _per_slot(experts.reshape(-1) % w_gate.shape[0], p.route).astype(jnp.int32)
   ids = jnp.where(p.route >= 0, ids, -1)
@@ -289,6 +326,72 @@ def _routed_vjp(pieces, axis_name, n_ranks):
     dx = pieces.combine(dx_back, p.slot, None, dx_extra, dy.dtype)  # dy, y and x: one dtype
     dweights = jnp.where(p.slot >= 0, dw_back[jnp.maximum(p.slot, 0)], 0.0)
     return dx, dweights.astype(jnp.float32), d_experts, d_shared, None, None, None
+
+  layer.defvjp(forward, backward)
+  return layer
+
+
+# Module attributes, so that the tests can run the NVLink layer on CPU through an emulation of
+# the two calls' contract.
+_ep_dispatch = ep_transport.dispatch
+_ep_combine = ep_transport.combine
+
+
+def _nvlink_moe(x, experts, weights, w_gate, w_up, w_down, shared, *, pieces, axis_name,
+                n_ranks, C, config):
+  """routed_moe over the NVLink transport: mok_ep_dispatch and mok_ep_combine in place of the
+  exchanges, the device computing the plan."""
+  n_local = w_gate.shape[0]
+  # int32 ids, -1 for any outside [0, E) (compared before the cast: no id wraps).
+  ids = jnp.where((experts >= 0) & (experts < n_local * n_ranks), experts, -1).astype(jnp.int32)
+  args = (x, weights, (w_gate, w_up, w_down), shared)
+  axes = frozenset().union(*map(reference.varying_axes, jax.tree.leaves((args, ids))))
+  args, ids = reference.vary((args, ids), axes)
+  return _nvlink_vjp(pieces, axis_name, n_ranks, n_local, C, config)(*args, ids)
+
+
+@functools.lru_cache(maxsize=None)
+def _nvlink_vjp(pieces, axis_name, n_ranks, n_local, C, config):
+  """The NVLink layer's custom VJP for these static parts. Its transpose runs the same two
+  calls: dy goes to the owners as x did (with each route's weight, which the owner's backward
+  takes), and each route's dx and dweights come back to their home slots, dx summed in j
+  order."""
+
+  # "auto": where the mesh's devices are unknown when the program is lowered, the same
+  # contract through XLA's collectives (mok_jax.ep_transport); "nvlink": an error there.
+  fallback = config.ep_transport == "auto"
+
+  def send(rows, experts, weights):
+    return _ep_dispatch(rows, experts, weights, axis_name=axis_name, n_local=n_local,
+                        n_ranks=n_ranks, capacity=C, fallback=fallback)
+
+  def back(rows, row_weights, sent, weights, extra, out_dtype):
+    return _ep_combine(rows, row_weights, sent.received, sent.pos, weights, extra,
+                       axis_name=axis_name, out_dtype=out_dtype, fallback=fallback)
+
+  def forward(x, weights, experts_w, shared, experts, keep=True):
+    sent = send(x, experts, weights)
+    check_capacity(jnp.max(sent.need), C, config)
+    got = sent.received
+    rows_out, experts_res = pieces.experts_fwd(got.x, got.expert, experts_w, keep)
+    extra, shared_res = (None, None) if shared is None else pieces.shared_fwd(x, shared, keep)
+    y, _ = back(rows_out, None, sent, weights, extra, x.dtype)
+    return y, (experts, weights, experts_res, shared_res)
+
+  @jax.custom_vjp
+  def layer(x, weights, experts_w, shared, experts):
+    # The primal, run when nothing is differentiated: no backward reads residuals.
+    return forward(x, weights, experts_w, shared, experts, keep=False)[0]
+
+  def backward(saved, dy):
+    experts, weights, experts_res, shared_res = saved
+    sent = send(dy.astype(ep_transport.DTYPE), experts, weights)
+    got = sent.received
+    dx_recv, dw_recv, d_experts = pieces.experts_bwd(experts_res, got.x, got.weight)
+    dx_extra, d_shared = (None, None) if shared_res is None else pieces.shared_bwd(shared_res,
+                                                                                   dy)
+    dx, dweights = back(dx_recv, dw_recv, sent, None, dx_extra, dy.dtype)
+    return dx, dweights, d_experts, d_shared, None
 
   layer.defvjp(forward, backward)
   return layer

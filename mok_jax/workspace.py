@@ -22,9 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 
 ALIGN = 256  # every region starts at a multiple of this many bytes
-STAGES = ("dispatch", "combine")  # cuda/ep_transport.h, EpStage: a flag of each a peer
-SYNC_BYTES = 128  # the sync region: each stage's epoch and send-completion counter (EpSync)
-REGIONS = ("recv_rows", "combine_slots", "recv_route", "recv_expert", "counts", "flags", "sync")
+# cuda/ep_transport.h, EpStage: a flag of each a peer. dispatch: a peer's rows are here;
+# combine: an owner's outputs are in this rank's slots; dispatch_read, combine_read: a peer has
+# read what this rank wrote into it, which this rank may then write again.
+STAGES = ("dispatch", "combine", "dispatch_read", "combine_read")
+SYNC_BYTES = 128  # the sync region: each call's epoch and each stage's completion counter (EpSync)
+# In EpLayout's order (the `layout` attribute of the custom calls is offsets(), in this order).
+REGIONS = ("recv_rows", "combine_slots", "recv_route", "recv_expert", "recv_weight",
+           "combine_weight", "counts", "flags", "sync")
 
 _MEM_FRACTION_HINT = (
     "JAX preallocates 75% of each GPU's memory when it starts (XLA_PYTHON_CLIENT_MEM_FRACTION, "
@@ -58,13 +63,16 @@ class WorkspaceLayout(NamedTuple):
   combine_slots: int
   recv_route: int
   recv_expert: int
+  recv_weight: int
+  combine_weight: int
   counts: int
   flags: int
   sync: int
   bytes: int
 
   def offsets(self) -> dict[str, int]:
-    """The regions' offsets and the segment's bytes, by the field names of EpLayout."""
+    """The regions' offsets and the segment's bytes, by the field names of EpLayout, in its
+    order."""
     return {name: getattr(self, name) for name in (*REGIONS, "bytes")}
 
   def sizes(self) -> dict[str, int]:
@@ -75,6 +83,8 @@ class WorkspaceLayout(NamedTuple):
         "combine_slots": self.T * self.k * self.H * b,
         "recv_route": 4 * rows,
         "recv_expert": 4 * rows,
+        "recv_weight": 4 * rows,
+        "combine_weight": 4 * self.T * self.k,
         "counts": 4 * self.P * (1 + self.E // self.P),
         "flags": 4 * len(STAGES) * self.P,
         "sync": SYNC_BYTES,
@@ -96,16 +106,21 @@ class Workspace:
                                                   owner
       recv_route     (P C,)              int32    home route t k + j of each received row
       recv_expert    (P C,)              int32    local expert of each received row
+      recv_weight    (P C,)              f32      route weight of each received row
+      combine_weight (T k,)              f32      slot t k + j: the f32 value sent back with
+                                                  route (t, j)'s output (the backward's
+                                                  dweights)
       counts         (P, 1 + E / P)      int32    [s, 0]: rows from rank s; [s, 1 + e]: of them
                                                   for local expert e
-      flags          (2, P)              int32    [stage, s]: the round rank s last signalled
-      sync           128 bytes           int32    this rank's epoch and completion counter of
-                                                  each stage (dispatch, combine)
+      flags          (4, P)              int32    [stage, s]: the round rank s last signalled
+                                                  (STAGES)
+      sync           128 bytes           int32    this rank's epoch of each call (dispatch,
+                                                  combine) and completion counters
 
   in this order, each starting at a multiple of ALIGN = 256 bytes, the whole rounded up to
   ALIGN. Without the padding:
 
-      bytes_for = (P C + T k) H b + 8 P C + 4 P (3 + E / P) + 128
+      bytes_for = (P C + T k) H b + 12 P C + 4 T k + 4 P (5 + E / P) + 128
 
   The receive rows dominate: dropless (C = T k) they are P T k H b bytes a rank, as the
   collective transport's receive buffer is; Config.ep_capacity bounds them.

@@ -568,7 +568,25 @@ def test_an_implementation_that_cannot_run_here_says_why():
   assert callable(jobs.jax_layer("mok_jax:ffi", tiny, jnp.float32, 2))
 
 
-@pytest.mark.parametrize("argv", [["--ep", "0"], ["--skew", "-1"], ["--reps", "0"],
+def test_ep_transport_routes_even_one_device():
+  """--ep-transport other than auto runs the routed layer at --ep 1 too (the transport's cost
+  beside the fused call): the fused call's bits on the ffi backend; peers have none; the
+  option reaches every job."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  tiny = shapes.TINY[0]
+  (*_, w_gate, w_up, w_down, _), sets = inputs.jax_inputs(tiny, jnp.float32, 0, 0.0, 1)
+  x, experts, weights, _ = sets[0]
+  y = {t: np.asarray(jax.jit(jobs.jax_layer("mok_jax:ffi", tiny, jnp.float32, 1, t))(
+      x, experts, weights, w_gate, w_up, w_down)) for t in ("auto", "collective")}
+  assert y["auto"].tobytes() == y["collective"].tobytes()
+  with pytest.raises(jobs.Unavailable, match="no expert parallelism"):
+    jobs.jax_layer("jax.ragged_dot", tiny, jnp.float32, 1, "collective")
+  args = bench_main.parse_args(["--tiny", "--ep-transport", "nvlink"])
+  assert args.knobs["ep_transport"] == "nvlink"
+
+
+@pytest.mark.parametrize("argv", [["--ep", "0"], ["--ep-transport", "ring"], ["--skew", "-1"], ["--reps", "0"],
                                   ["--modes", "bwd"], ["--breakdown"], ["--impls", "cpp"],
                                   ["--shapes", "qwen"]])
 def test_bad_options_are_refused(argv):

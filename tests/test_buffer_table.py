@@ -1,6 +1,7 @@
 """The targets' buffers are listed once, in mok_jax.ops (FWD_OPERANDS, FWD_RESULTS, BWD_OPERANDS,
-BWD_RESULTS, BWD_ALIASES): the C++ bindings, the argument structs, every handler's parameters
-and docs/design.md must name the same buffers in the same order."""
+BWD_RESULTS, BWD_ALIASES) and, for the NVLink transport's, mok_jax.ep_transport (DISPATCH_*,
+COMBINE_*): the C++ bindings, the argument structs, every handler's parameters and
+docs/design.md must name the same buffers in the same order."""
 
 from __future__ import annotations
 
@@ -10,18 +11,21 @@ import re
 import jax.numpy as jnp
 import pytest
 
-from mok_jax import ops
+from mok_jax import ep_transport, ops
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ARGS_H = (ROOT / "ffi" / "moe_args.h").read_text()
+EP_CC = (ROOT / "ffi" / "ep_transport_cuda.cc").read_text()
 FWD = ops.FWD_OPERANDS + ops.FWD_RESULTS
 BWD = ops.BWD_OPERANDS + ops.BWD_RESULTS
 COMBINE = ops.COMBINE_OPERANDS + ops.COMBINE_RESULTS
+EP_DISPATCH = ep_transport.DISPATCH_OPERANDS + ep_transport.DISPATCH_RESULTS
+EP_COMBINE = ep_transport.COMBINE_OPERANDS + ep_transport.COMBINE_RESULTS
 
 
-def _bound_names(binder: str) -> tuple[str, ...]:
+def _bound_names(binder: str, src: str = ARGS_H) -> tuple[str, ...]:
   """The buffer names of BindMoeFwd / BindMoeBwd, from the comment on each Arg and Ret."""
-  body = ARGS_H[ARGS_H.index(f"auto {binder}("):]
+  body = src[src.index(f"auto {binder}("):]
   body = body[:body.index("\n}\n")]
   return tuple(re.findall(r"template (?:Arg|Ret)<ffi::AnyBuffer>\(\);?\s*// (?:scratch )?(\w+)",
                           body))
@@ -44,6 +48,15 @@ def test_bindings_name_the_table():
   assert _bound_names("BindMoeFwd") == FWD
   assert _bound_names("BindMoeBwd") == BWD
   assert _bound_names("BindMoeCombine") == COMBINE
+  assert _bound_names("BindEpDispatch", EP_CC) == EP_DISPATCH
+  assert _bound_names("BindEpCombine", EP_CC) == EP_COMBINE
+
+
+def test_ep_scratch_results_are_marked():
+  """The dispatch's last DISPATCH_SCRATCH results are scratch (the wrapper drops them)."""
+  body = EP_CC[EP_CC.index("auto BindEpDispatch("):]
+  scratch = re.findall(r"Ret<ffi::AnyBuffer>\(\)\s*// scratch (\w+)", body[:body.index("\n}\n")])
+  assert tuple(scratch) == ep_transport.DISPATCH_RESULTS[-ep_transport.DISPATCH_SCRATCH:]
 
 
 def test_structs_hold_the_table():
@@ -59,7 +72,9 @@ def test_structs_hold_the_table():
     ("moe_fwd_cpu.cc", "MoeFwd", FWD), ("moe_fwd_cuda.cc", "MoeFwdCuda", FWD),
     ("moe_bwd_cpu.cc", "MoeBwd", BWD), ("moe_bwd_cuda.cc", "MoeBwdCuda", BWD),
     ("moe_combine_cpu.cc", "MoeCombine", COMBINE),
-    ("moe_combine_cuda.cc", "MoeCombineCuda", COMBINE)])
+    ("moe_combine_cuda.cc", "MoeCombineCuda", COMBINE),
+    ("ep_transport_cuda.cc", "EpDispatchCuda", EP_DISPATCH),
+    ("ep_transport_cuda.cc", "EpCombineCuda", EP_COMBINE)])
 def test_handlers_take_the_table(path, function, names):
   assert _handler_params(path, function) == names
 

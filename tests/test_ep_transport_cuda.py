@@ -1,10 +1,13 @@
 """The NVLink transport's kernels on hardware (cuda/sm90/ep_transport.cuh), through the CUDA
 module's self-test (ffi/ep_transport_selftest.h): P ranks of one GPU, each on its own stream,
-over one workspace cut into P segments, R rounds of plan -> dispatch -> a stand-in expert ->
-combine. Checked against NumPy: the device plan against mok_jax.expert_parallel.plan, every
-received row bit-equal to the row routed there, the combined y bit-equal to an f32 sum of the
-slots in j order rounded to bf16, the same y for P = 1, 2, 4, over rounds and CUDA-graph
-replays; a rank that never runs makes the others time out with rank and stage, not hang."""
+over one workspace cut into P segments, R rounds of LaunchEpDispatch -> a stand-in expert ->
+LaunchEpCombine, the launchers of the custom calls mok_ep_dispatch and mok_ep_combine. Checked
+against NumPy: the device plan against mok_jax.expert_parallel.plan, every received row
+bit-equal to the row routed there with its route, expert, weight and counts, the combined y
+bit-equal to an f32 sum of the slots in j order rounded to bf16 and each route's returned f32
+value, the same y for P = 1, 2, 4, over rounds, CUDA-graph replays and dispatches of two rounds
+enqueued before their combines; a rank that never runs makes the others time out with rank
+and stage, not hang."""
 
 from __future__ import annotations
 
@@ -87,7 +90,7 @@ def global_problem(seed, rounds=ROUNDS, invalid=True):
   return x, experts, weights, scales
 
 
-def run(P, x, experts, weights, scales, capacity=None, graph=False, silent_rank=-1):
+def run(P, x, experts, weights, scales, capacity=None, graph=False, in_flight=1, silent_rank=-1):
   """The self-test on P ranks of GPU 0 (inputs (R, N, ...) over all tokens)."""
   T = N // P
   lay = Workspace.layout(T, H, K, E, P, capacity)
@@ -95,7 +98,7 @@ def run(P, x, experts, weights, scales, capacity=None, graph=False, silent_rank=
   per_rank = lambda a: np.ascontiguousarray(np.stack([split(r, P) for r in a]))
   return lay, ws, ops._mok_cuda.ep_transport_selftest(
       ws.handle, lay.offsets(), lay.C, per_rank(x).view(np.uint16), per_rank(experts),
-      None if weights is None else per_rank(weights), scales, graph=graph,
+      None if weights is None else per_rank(weights), scales, graph=graph, in_flight=in_flight,
       silent_rank=silent_rank)
 
 
@@ -116,21 +119,34 @@ def check_round(got, r, P, lay, x, experts, weights, scales):
       route, _, sent, _ = plans[s]
       n = sent[d]
       rows = route[d * C:d * C + n]
-      block = slice(s * C, s * C + n)
+      block, rest = slice(s * C, s * C + n), slice(s * C + n, (s + 1) * C)
       counts = got["counts"][r, d, s]
       assert counts[0] == n, f"round {r}: rank {d} counts {counts[0]} rows from {s}, not {n}"
       local = es[s].reshape(-1)[rows] % E_local
       np.testing.assert_array_equal(counts[1:], np.bincount(local, minlength=E_local),
                                     f"round {r}: rank {d}'s counts by expert from {s}")
-      np.testing.assert_array_equal(got["recv_route"][r, d, block], rows)
-      np.testing.assert_array_equal(got["recv_expert"][r, d, block], local)
+      np.testing.assert_array_equal(got["route_recv"][r, d, block], rows)
+      np.testing.assert_array_equal(got["expert_recv"][r, d, block], local)
+      w = np.ones(rows.size, np.float32) if ws_ is None else ws_[s].reshape(-1)[rows]
+      np.testing.assert_array_equal(got["weight_recv"][r, d, block], w)
+      # Past the count: no route, no expert, weight 0 (the rows there are not written).
+      assert (got["route_recv"][r, d, rest] == -1).all()
+      assert (got["expert_recv"][r, d, rest] == -1).all()
+      assert (got["weight_recv"][r, d, rest] == 0).all()
       want = xs[s][rows // K].view(np.uint16)
-      np.testing.assert_array_equal(got["recv_rows"][r, d, block], want,
+      np.testing.assert_array_equal(got["x_recv"][r, d, block], want,
                                     f"round {r}: rank {d}'s rows from rank {s} (bits)")
   for s in range(P):
-    want = reference_y(xs[s], es[s], None if ws_ is None else ws_[s], plans[s][1], scales)
+    w = None if ws_ is None else ws_[s]
+    want = reference_y(xs[s], es[s], w, plans[s][1], scales)
     np.testing.assert_array_equal(got["y"][r, s], want.view(np.uint16),
                                   f"round {r} rank {s}: combined y (bits)")
+    # The value each route's owner sent back: its weight times its expert's scale (f32).
+    slot = plans[s][1]
+    ids = np.where(slot >= 0, es[s], 0)
+    back = (np.ones(slot.shape, np.float32) if w is None else w) * scales[ids]
+    np.testing.assert_array_equal(got["out_weights"][r, s], np.where(slot >= 0, back, 0),
+                                  f"round {r} rank {s}: returned row weights")
 
 
 # --- tests ----------------------------------------------------------------------------------------
@@ -172,11 +188,22 @@ def test_graph_replays_and_back_to_back_calls(P):
   _, _, graphed = run(P, x, experts, weights, scales, graph=True)
   for r in range(ROUNDS):
     check_round(graphed, r, P, lay, x, experts, weights, scales)
-  # Rows past a block's count hold what earlier calls left: compare what every round writes.
-  for name in ("y", "counts", "route", "slot", "sent", "need"):
+  # Received rows past a block's count are not written: compare what every round writes.
+  for name in ("y", "out_weights", "counts", "route", "slot", "sent", "need", "route_recv",
+               "expert_recv", "weight_recv"):
     np.testing.assert_array_equal(graphed[name], plain[name], name)
-  assert (plain["epochs"] == plain["epochs"][0, 0]).all()  # every rank, both stages
+  assert (plain["epochs"] == plain["epochs"][0, 0]).all()  # every rank, both calls
   np.testing.assert_array_equal(graphed["epochs"], plain["epochs"] + ROUNDS)
+
+
+@pytest.mark.parametrize("P", [2, 4])
+def test_two_dispatches_before_their_combines(P):
+  """Each rank enqueues the dispatches of two rounds, then both combines (as XLA may order two
+  independent layers): each call is a collective of its own, so every round is right."""
+  x, experts, weights, scales = global_problem(40 + P, rounds=4)
+  lay, _, got = run(P, x, experts, weights, scales, in_flight=2)
+  for r in range(4):
+    check_round(got, r, P, lay, x, experts, weights, scales)
 
 
 def test_bounded_capacity_reports_the_overflow():
@@ -252,6 +279,6 @@ def test_ranks_on_distinct_gpus():
   for graph in (False, True):
     got = ops._mok_cuda.ep_transport_selftest(
         ws.handle, lay.offsets(), lay.C, per_rank(x).view(np.uint16), per_rank(experts),
-        per_rank(weights), scales, graph=graph)
+        per_rank(weights), scales, graph=graph, in_flight=1 if graph else 2)
     for r in range(ROUNDS):
       check_round(got, r, P, lay, x, experts, weights, scales)

@@ -107,13 +107,6 @@ def test_capacity_bounds_the_sends(backend):
     pass
 
 
-def test_nvlink_transport_is_not_available_yet():
-  case = ep_case(None)
-  with pytest.raises(ValueError, match=r"ep_transport='nvlink'\) is not available yet"):
-    sharded_loss_and_grads(case, "ffi", mesh_of(2), P("ep"), P("ep"), "ep",
-                           mok_jax.Config(ep_transport="nvlink"))
-
-
 @pytest.mark.parametrize("bad", ["ring", None, 3])
 def test_config_rejects_bad_ep_fields(bad):
   with pytest.raises(ValueError, match="ep_transport"):

@@ -1,6 +1,8 @@
 """The routed expert-parallel layer on one GPU (mok_jax.expert_parallel, P = 1 under
-shard_map): the same bits as the fused call for y and every gradient, and mok_moe_combine's
-CUDA kernel against the CPU-free definition of the combine (f32 FMAs in j order)."""
+shard_map) with the collective transport (the NVLink transport's tests are in
+test_ep_nvlink_cuda.py): the same bits as the fused call for y and every gradient, and
+mok_moe_combine's CUDA kernel against the CPU-free definition of the combine (f32 FMAs in j
+order)."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ def test_one_rank_through_the_routed_path_has_the_fused_bits(block_m, recompute)
   experts = distinct_experts(rng, T, K, E)
   experts[3, 1], experts[T - 1, 0] = -1, E
   case = make_case(T=T, H=H, I=I, E=E, Is=IS, dtype=BF16, experts=experts, seed=block_m)
-  config = mok_jax.Config(block_m=block_m, recompute=recompute)
+  config = mok_jax.Config(block_m=block_m, recompute=recompute, ep_transport="collective")
   want_y, want_grads = loss_and_grads(case, "cuda", config)
   y, grads = sharded_loss_and_grads(case, "cuda", mesh_of(1), P("ep"), P("ep"), "ep", config)
   assert_ep_bits(y, grads, want_y, want_grads, f"P=1 block_m={block_m}", BF16, "cuda")

@@ -1,7 +1,8 @@
-"""Expert parallelism over real GPUs (marked multigpu: needs 2 or more): mok_jax.moe with the
-CUDA backend inside jax.shard_map over every GPU (a power of two, up to 8), its tokens and
-experts sharded over one mesh axis, against the same layer on one GPU (its bits) and the XLA
-backend (to rounding);
+"""Expert parallelism over real GPUs (marked multigpu: needs 2 or more) with the collective
+transport (the NVLink transport's are in test_ep_nvlink_cuda.py): mok_jax.moe with the CUDA
+backend inside jax.shard_map over every GPU (a power of two, up to 8), its tokens and experts
+sharded over one mesh axis, against the same layer on one GPU (its bits) and the XLA backend
+(to rounding);
 bitwise repeatable; data parallelism with replicated experts. The CPU tests
 (test_expert_parallel.py) check the same on CPU devices against the float64 oracle."""
 
@@ -51,7 +52,7 @@ def test_ep_over_every_gpu_has_one_gpus_bits(ep_capacity):
   weight gradients, summed over ranks, to rounding), and the XLA backend's to rounding."""
   n = ranks()
   case = case_of(0)
-  config = mok_jax.Config(ep_capacity=ep_capacity)
+  config = mok_jax.Config(ep_capacity=ep_capacity, ep_transport="collective")
   y, grads = sharded_loss_and_grads(case, "cuda", mesh_of(n), P("ep"), P("ep"), "ep", config)
   want_y, want_grads = one_gpu("cuda", 0)
   assert_ep_bits(y, grads, want_y, want_grads, f"EP={n}", BF16, "cuda")
@@ -63,7 +64,8 @@ def test_ep_over_every_gpu_has_one_gpus_bits(ep_capacity):
 
 def test_ep_same_bits_every_run():
   n = ranks()
-  runs = [sharded_loss_and_grads(case_of(1), "cuda", mesh_of(n), P("ep"), P("ep"), "ep")
+  config = mok_jax.Config(ep_transport="collective")
+  runs = [sharded_loss_and_grads(case_of(1), "cuda", mesh_of(n), P("ep"), P("ep"), "ep", config)
           for _ in range(2)]
   (y0, g0), (y1, g1) = runs
   assert bits(y0) == bits(y1), "y"

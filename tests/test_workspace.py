@@ -24,7 +24,7 @@ EP_TRANSPORT_H = (ROOT / "cuda" / "ep_transport.h").read_text()
 
 def formula(T, H, k, E, P, C, b):
   """The docstring's formula without the alignment padding."""
-  return (P * C + T * k) * H * b + 8 * P * C + 4 * P * (3 + E // P) + SYNC_BYTES
+  return (P * C + T * k) * H * b + 12 * P * C + 4 * T * k + 4 * P * (5 + E // P) + SYNC_BYTES
 
 
 def test_exported():
@@ -36,16 +36,18 @@ def test_small_layout_by_hand():
   # T=4, H=8, k=2, E=4, P=2, dropless: C = 8; rows of 16 bytes.
   lay = Workspace.layout(4, 8, 2, 4, 2)
   assert (lay.C, lay.itemsize) == (8, 2)
-  # recv_rows 2*8*16 = 256 B; combine_slots 4*2*16 = 128; recv_route, recv_expert 64 each;
-  # counts 2*3*4 = 24; flags 2*2*4 = 16; sync 128: each padded to 256.
+  # recv_rows 2*8*16 = 256 B; combine_slots 4*2*16 = 128; recv_route, recv_expert, recv_weight
+  # 64 each; combine_weight 4*2*4 = 32; counts 2*3*4 = 24; flags 4*2*4 = 32; sync 128: each
+  # padded to 256.
   assert lay.offsets() == dict(recv_rows=0, combine_slots=256, recv_route=512, recv_expert=768,
-                               counts=1024, flags=1280, sync=1536, bytes=1792)
-  assert Workspace.bytes_for(4, 8, 2, 4, 2) == 1792
+                               recv_weight=1024, combine_weight=1280, counts=1536, flags=1792,
+                               sync=2048, bytes=2304)
+  assert Workspace.bytes_for(4, 8, 2, 4, 2) == 2304
 
 
 def test_dsv3_layout():
   # dsv3 over 8 ranks, dropless: T = 4096 a rank, H = 7168, k = 8, E = 256.
-  assert Workspace.bytes_for(4096, 7168, 8, 256, 8) == 4_229_957_376
+  assert Workspace.bytes_for(4096, 7168, 8, 256, 8) == 4_231_137_024
   lay = Workspace.layout(4096, 7168, 8, 256, 8)
   assert lay.C == 4096 * 8
   assert lay.combine_slots == 8 * 32768 * 7168 * 2  # right after the receive rows
@@ -203,7 +205,7 @@ def test_cache_and_free_with_a_stand_in_module(monkeypatch):
   b = Workspace.for_layer([0, 0], 4, 8, 2, 4)
   assert b is not a and b.nbytes == Workspace.bytes_for(4, 8, 2, 4, 2)
   assert (a.ranks, a.devices, a.handle) == (2, (0, 0), 1)
-  assert created == [((0, 0), 4096), ((0, 0), 1792)]
+  assert created == [((0, 0), 4096), ((0, 0), 2304)]
   a.free()
   a.free()
   assert freed == [1]
@@ -227,12 +229,15 @@ def test_layout_matches_the_kernels_header():
   body = body[:body.index("\n};")]
   assert tuple(re.findall(r"^\s*int64_t (\w+);", body, re.M)) == (*REGIONS, "bytes")
   stages = re.search(r"enum EpStage : int32_t \{([^}]*)\}", EP_TRANSPORT_H).group(1)
-  assert re.findall(r"kEp(\w+) = \d+", stages) == [*(s.capitalize() for s in STAGES), "Stages"]
+  camel = [s.title().replace("_", "") for s in STAGES]
+  assert re.findall(r"kEp(\w+) = \d+", stages) == [*camel, "Stages"]
   assert int(_header_constant("kEpSyncBytes")) == SYNC_BYTES
+  assert int(_header_constant("kEpLayoutFields")) == len(REGIONS) + 1
 
 
 @pytest.mark.skipif(ops._mok_cuda is None, reason="built without the CUDA module")
 def test_layout_matches_the_cuda_module():
   c = ops._mok_cuda.ep_transport_constants()
   assert c["stages"] == len(STAGES) and c["sync_bytes"] == SYNC_BYTES
+  assert c["layout_fields"] == len(REGIONS) + 1
   assert c["wait_bound_ns"] == 10_000_000_000

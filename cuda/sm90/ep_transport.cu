@@ -45,12 +45,14 @@ const char* EpCheckArgs(const EpTransportArgs& a) {
   if (a.ctas < 1) return "ctas must be at least 1 (EpTransportCtas)";
   if (a.wait_bound_ns == 0) return "wait_bound_ns must be positive";
   const EpLayout& l = a.layout;
-  const int64_t P = a.ranks, rows = P * a.C;
+  const int64_t P = a.ranks, rows = P * a.C, routes = a.T * a.k;
   Region regions[] = {
       {"recv_rows", l.recv_rows, rows * a.H * 2},
-      {"combine_slots", l.combine_slots, a.T * a.k * a.H * 2},
+      {"combine_slots", l.combine_slots, routes * a.H * 2},
       {"recv_route", l.recv_route, rows * 4},
       {"recv_expert", l.recv_expert, rows * 4},
+      {"recv_weight", l.recv_weight, rows * 4},
+      {"combine_weight", l.combine_weight, routes * 4},
       {"counts", l.counts, P * (1 + a.E_local) * 4},
       {"flags", l.flags, int64_t{kEpStages} * P * 4},
       {"sync", l.sync, kEpSyncBytes},
@@ -76,7 +78,9 @@ const char* EpTransportCtas(int device, int ranks_on_device, int* ctas) {
     return LastError();
   cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   const void* kernels[] = {reinterpret_cast<const void*>(sm90::EpDispatchKernel),
+                           reinterpret_cast<const void*>(sm90::EpReceiveKernel),
                            reinterpret_cast<const void*>(sm90::EpCombineSendKernel),
+                           reinterpret_cast<const void*>(sm90::EpCombineEndKernel),
                            reinterpret_cast<const void*>(sm90::EpScaleRowsKernel)};
   for (const void* kernel : kernels) {
     int n = 0;
@@ -91,35 +95,45 @@ const char* EpTransportCtas(int device, int ranks_on_device, int* ctas) {
   return nullptr;
 }
 
-const char* LaunchEpPlan(const EpTransportArgs& a, cudaStream_t stream) {
-  if (const char* bad = EpCheckArgs(a)) return bad;
-  sm90::EpPlanKernel<<<a.ranks, kEpThreads, 0, stream>>>(a);
-  return LastError();
-}
-
 const char* LaunchEpDispatch(const EpTransportArgs& a, cudaStream_t stream) {
   if (const char* bad = EpCheckArgs(a)) return bad;
-  sm90::EpDispatchKernel<<<RowCtas(a, a.ranks * a.C), kEpThreads, 0, stream>>>(a);
+  if (!a.x || !a.experts || !a.route || !a.slot || !a.pos || !a.sent || !a.need ||
+      !a.counts_to || !a.x_recv || !a.expert_recv || !a.weight_recv || !a.route_recv ||
+      !a.counts_recv)
+    return "a buffer of the dispatch is missing";
+  const unsigned rows = RowCtas(a, a.ranks * a.C);
+  sm90::EpPlanKernel<<<a.ranks, kEpThreads, 0, stream>>>(a);
+  sm90::EpAwaitKernel<<<1, kEpThreads, 0, stream>>>(a, kEpDispatchRead);
+  sm90::EpDispatchKernel<<<rows, kEpThreads, 0, stream>>>(a);
+  sm90::EpReceiveKernel<<<rows, kEpThreads, 0, stream>>>(a);
   return LastError();
 }
 
 const char* LaunchEpCombine(const EpTransportArgs& a, cudaStream_t stream) {
   if (const char* bad = EpCheckArgs(a)) return bad;
+  if (!a.rows || !a.route_recv || !a.counts_recv || !a.pos || !a.out)
+    return "a buffer of the combine is missing";
+  if ((a.row_weights == nullptr) != (a.out_weights == nullptr))
+    return "row_weights and out_weights go together";
+  sm90::EpAwaitKernel<<<1, kEpThreads, 0, stream>>>(a, kEpCombineRead);
   sm90::EpCombineSendKernel<<<RowCtas(a, a.ranks * a.C), kEpThreads, 0, stream>>>(a);
   if (const char* err = LastError()) return err;
   CombineArgs c{};
   c.T = a.T, c.k = a.k, c.H = static_cast<int>(a.H);
   c.rows = static_cast<const char*>(a.own) + a.layout.combine_slots;
   c.pos = a.pos, c.weights = a.weights, c.extra = a.extra;
-  c.out = a.y, c.out_f32 = false;
-  return LaunchCombine(c, stream);
+  c.out = a.out, c.out_f32 = a.out_f32;
+  if (const char* err = LaunchCombine(c, stream)) return err;
+  // A thread a route: a warp's worth of routes per RowCtas row.
+  sm90::EpCombineEndKernel<<<RowCtas(a, (a.T * a.k + 31) / 32), kEpThreads, 0, stream>>>(a);
+  return LastError();
 }
 
 const char* LaunchEpScaleRows(const EpTransportArgs& a, const float* scales, void* rows_out,
-                              cudaStream_t stream) {
+                              float* row_weights, cudaStream_t stream) {
   if (const char* bad = EpCheckArgs(a)) return bad;
   sm90::EpScaleRowsKernel<<<RowCtas(a, a.ranks * a.C), kEpThreads, 0, stream>>>(
-      a, scales, static_cast<__nv_bfloat16*>(rows_out));
+      a, scales, static_cast<__nv_bfloat16*>(rows_out), row_weights);
   return LastError();
 }
 

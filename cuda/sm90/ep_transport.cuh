@@ -1,30 +1,38 @@
 // The NVLink transport of expert parallelism: the routed-row layout of
 // mok_jax.expert_parallel moved by the kernels themselves over a symmetric workspace
 // (mok_jax/workspace.py), with unicast 16-byte stores and flags. docs/expert_parallel.md has the
-// protocol; ../ep_transport.h the launch order and how a timeout reaches the user.
+// protocol; ../ep_transport.h the two calls and how a timeout reaches the user.
 //
-// Per round, on rank s (P ranks, C slots a block, T tokens, k routes a token):
-//   EpPlanKernel          block d of the send slots = s's routes to rank d in ascending (t, j)
-//   EpDispatchKernel      row i of block d -> rank d's receive row s C + i (with its route and
-//                         local expert); the CTA that finishes last writes s's counts into every
-//                         rank d, then the release store flags[d][dispatch][s] = round, then
-//                         waits until every rank's flag here has reached the round
-//   EpCombineSendKernel   received row s C + i -> rank s's home slot route (t k + j); the last
-//                         CTA releases flags[s][combine][this rank] = round and waits, as above
-//   CombineKernel         (combine.cuh) the home sum of the k slots in j order, f32, on rows
-//                         that are all here: the same code and bits as the collective transport
+// The dispatch call, on rank s (P ranks, C slots a block, T tokens, k routes a token):
+//   EpPlanKernel        block d of the send slots = s's routes to rank d in ascending (t, j)
+//   EpAwaitKernel       until every rank d has copied out what s sent it the dispatch before
+//   EpDispatchKernel    row i of block d -> rank d's receive row s C + i (with its route, local
+//                       expert and weight); the CTA that finishes last writes s's counts into
+//                       every rank d, releases flags[d][dispatch][s] = round, then waits until
+//                       every rank's flag here has reached the round
+//   EpReceiveKernel     the receive region -> the caller's buffers; the last CTA releases
+//                       flags[q][dispatch_read][s] = round to every source q
+// The combine call, on the owner d of the received rows:
+//   EpAwaitKernel       until every home rank has summed what d sent it the combine before
+//   EpCombineSendKernel received row q C + i -> rank q's home slot route (t k + j), with its
+//                       row weight; the last CTA releases flags[q][combine][d] = round and waits
+//   CombineKernel       (combine.cuh) the home sum of the k slots in j order, f32: the same code
+//                       and bits as the collective transport
+//   EpCombineEndKernel  each route's row weight out of its slot; the last CTA releases
+//                       flags[q][combine_read][d] = round to every owner q
 //
-// The round of each stage is the rank's epoch counter in its sync region plus one, read,
-// signalled and stored back by the last CTA of that stage's send kernel: nothing comes from the
+// The round of each call is the rank's epoch counter of it in its sync region plus one, read,
+// signalled and stored back by the last CTA of the call's send kernel: nothing comes from the
 // host, so a CUDA graph replays correct rounds and back-to-back calls never mix them. Flags are
 // compared by wrapping difference, so the counter may wrap.
 //
-// NOTES: only the last CTA of a send kernel waits, after its siblings have finished: a waiting
-// CTA never keeps its own kernel's work off the SMs, and one resident CTA per rank is all the
-// waits need. Peer memory is only written (push): plain 16-byte unicast stores of rows, 32-bit
-// stores of routes and counts, st.release.sys of flags; every load is of this rank's own
-// segment or buffers. System scope because the peers are other GPUs (or, in the loopback test,
-// other streams of this one). No multimem (NVLink multicast) instruction anywhere.
+// NOTES: only one CTA of a kernel waits (the await kernel's only CTA, the send kernel's last
+// one after its siblings have finished): a waiting CTA never keeps its own kernel's work off the
+// SMs, and one resident CTA per rank is all the waits need. Peer memory is only written
+// (push): plain 16-byte unicast stores of rows, 32-bit stores of routes, weights and counts,
+// st.release.sys of flags; every load is of this rank's own segment or buffers. System scope
+// because the peers are other GPUs (or, in the loopback test, other streams of this one). No
+// multimem (NVLink multicast) instruction anywhere.
 #pragma once
 
 #include <cstdint>
@@ -37,12 +45,15 @@
 
 namespace mok::sm90 {
 
+using cuda::EpCallOf;
 using cuda::EpLayout;
 using cuda::EpStage;
 using cuda::EpSync;
 using cuda::EpTransportArgs;
 using cuda::kEpCombine;
+using cuda::kEpCombineRead;
 using cuda::kEpDispatch;
+using cuda::kEpDispatchRead;
 using cuda::kEpMaxLocalExperts;
 using cuda::kEpMaxRanks;
 using cuda::kEpStages;
@@ -53,6 +64,15 @@ constexpr int kEpWarps = kEpThreads / 32;
 template <class T>
 __device__ __forceinline__ T* EpRegion(void* base, int64_t offset) {
   return reinterpret_cast<T*>(static_cast<char*>(base) + offset);
+}
+
+__device__ __forceinline__ EpSync* EpOwnSync(const EpTransportArgs& a) {
+  return EpRegion<EpSync>(a.peers[a.rank], a.layout.sync);
+}
+
+// Peer q's flag of `stage` in rank `at`'s segment.
+__device__ __forceinline__ int32_t* EpFlag(const EpTransportArgs& a, int at, int stage, int q) {
+  return EpRegion<int32_t>(a.peers[at], a.layout.flags) + int64_t{stage} * a.ranks + q;
 }
 
 // Flags across GPUs: system scope, so that a peer GPU's stores before its release are visible
@@ -77,7 +97,12 @@ __device__ __forceinline__ bool EpReached(int32_t seen, int32_t round) {
 }
 
 __device__ __forceinline__ const char* EpStageName(int stage) {
-  return stage == kEpDispatch ? "dispatch" : "combine";
+  switch (stage) {
+    case kEpDispatch: return "dispatch";
+    case kEpCombine: return "combine";
+    case kEpDispatchRead: return "dispatch_read";
+    default: return "combine_read";
+  }
 }
 
 // The end of a wait that outlived its bound: one line (the first thread of the rank to time
@@ -92,20 +117,30 @@ __device__ __noinline__ void EpTimeout(int rank, int stage, int peer, int32_t se
   __trap();
 }
 
-// Waits until *flag has reached `round`; bounded by bound_ns of the global timer.
-__device__ __forceinline__ void EpWaitRound(const int32_t* flag, int32_t round, int rank,
-                                            int stage, int peer, uint64_t bound_ns,
-                                            int32_t* reported) {
-  int32_t seen = LoadAcquireSys(flag);
-  if (EpReached(seen, round)) return;
-  const uint64_t start = GlobalTimerNs();
-  for (;;) {
-    __nanosleep(64);
-    seen = LoadAcquireSys(flag);
-    if (EpReached(seen, round)) return;
-    if (GlobalTimerNs() - start > bound_ns) EpTimeout(rank, stage, peer, seen, round, bound_ns,
-                                                      reported);
+// Waits until every peer's flag of `stage` here has reached `round`, a thread a peer; bounded
+// by wait_bound_ns of the global timer. Every thread returns once all flags are there.
+__device__ __forceinline__ void EpWaitAll(const EpTransportArgs& a, int stage, int32_t round) {
+  for (int p = threadIdx.x; p < a.ranks; p += kEpThreads) {
+    const int32_t* flag = EpFlag(a, a.rank, stage, p);
+    int32_t seen = LoadAcquireSys(flag);
+    if (EpReached(seen, round)) continue;
+    const uint64_t start = GlobalTimerNs();
+    for (;;) {
+      __nanosleep(64);
+      seen = LoadAcquireSys(flag);
+      if (EpReached(seen, round)) break;
+      if (GlobalTimerNs() - start > a.wait_bound_ns)
+        EpTimeout(a.rank, stage, p, seen, round, a.wait_bound_ns, &EpOwnSync(a)->reported);
+    }
   }
+  __syncthreads();
+}
+
+// Releases this rank's flag of `stage` in every rank's segment: round (what this CTA's and,
+// through EpLastToFinish, its siblings' stores wrote is visible to whoever acquires it).
+__device__ __forceinline__ void EpSignalAll(const EpTransportArgs& a, int stage, int32_t round) {
+  for (int d = threadIdx.x; d < a.ranks; d += kEpThreads)
+    StoreReleaseSys(EpFlag(a, d, stage, a.rank), round);
 }
 
 // The block of dense row index q: the largest d with first[d] <= q (first[P] > q; empty blocks
@@ -132,26 +167,21 @@ __device__ __forceinline__ void EpScanBlocks(const int32_t* counts, int64_t stri
   __syncthreads();
 }
 
-// The rows a rank received: counts[s][0] from each source s (written by dispatch before its
-// flag), as a scan over sources. A dense index q < first[P] is receive row s C + (q - first[s]).
-__device__ __forceinline__ void EpScanReceived(const EpTransportArgs& a, int32_t* first) {
-  EpScanBlocks(EpRegion<int32_t>(a.peers[a.rank], a.layout.counts), 1 + a.E_local, a.ranks,
-               first);
-}
-
 // This warp's first dense row index and the stride of the grid's warps over them.
 __device__ __forceinline__ int64_t EpFirstWarp() {
   return int64_t{blockIdx.x} * kEpWarps + threadIdx.x / 32;
 }
 __device__ __forceinline__ int64_t EpGridWarps() { return int64_t{gridDim.x} * kEpWarps; }
 
-// A warp copies one row of `chunks` 16-byte chunks.
-__device__ __forceinline__ void EpCopyRow(const uint4* __restrict__ src, uint4* dst, int chunks) {
+// A warp copies one row of `chunks` 16-byte chunks. src is never written while the kernel runs
+// (a buffer of XLA's, or the receive region, which its peers wrote before this kernel began).
+__device__ __forceinline__ void EpCopyRow(const uint4* src, uint4* dst, int chunks) {
   for (int c = threadIdx.x % 32; c < chunks; c += 32) StoreGlobal128(dst + c, __ldg(src + c));
 }
 
-// The end of a send kernel, run by every CTA: publishes this CTA's stores and tells whether it
-// is the last CTA to finish (then every sibling's stores are ordered before what it does next).
+// The end of a kernel, run by every CTA: publishes this CTA's stores and tells whether it is
+// the last CTA to finish (then every sibling's loads and stores are ordered before what it does
+// next, and it resets the count for the next call).
 __device__ __forceinline__ bool EpLastToFinish(int32_t* done) {
   __shared__ int last;
   __threadfence_system();  // this thread's peer stores before the count, at system scope
@@ -160,25 +190,28 @@ __device__ __forceinline__ bool EpLastToFinish(int32_t* done) {
   __syncthreads();
   if (!last) return false;
   __threadfence_system();  // the siblings' stores, seen through the count, before the flags
+  if (threadIdx.x == 0) *done = 0;
   return true;
 }
 
-// The last CTA of stage `stage`'s send kernel: round = epoch + 1 to every rank's flag of this
-// rank (peers' stores of this CTA, done before, are released with it), the epoch stored back,
-// then the wait for every rank's flag of this stage here.
+// The last CTA of a call's send kernel: round = epoch + 1 to every rank's flag of this rank
+// (peers' stores of this CTA and its siblings, done before, are released with it), the epoch
+// stored back, then the wait for every rank's flag of this stage here.
 __device__ __forceinline__ void EpSignalAndWait(const EpTransportArgs& a, int stage) {
-  const int P = a.ranks;
-  EpSync* sync = EpRegion<EpSync>(a.peers[a.rank], a.layout.sync);
-  const int32_t round = static_cast<int32_t>(static_cast<uint32_t>(sync->epoch[stage]) + 1u);
+  EpSync* sync = EpOwnSync(a);
+  int32_t* epoch = &sync->epoch[EpCallOf(stage)];
+  const int32_t round = static_cast<int32_t>(static_cast<uint32_t>(*epoch) + 1u);
   __syncthreads();  // every thread has read the epoch before thread 0 stores the new one
-  for (int d = threadIdx.x; d < P; d += kEpThreads) {
-    int32_t* flags = EpRegion<int32_t>(a.peers[d], a.layout.flags);
-    StoreReleaseSys(flags + int64_t{stage} * P + a.rank, round);
-  }
-  if (threadIdx.x == 0) sync->done[stage] = 0, sync->epoch[stage] = round;
-  const int32_t* mine = EpRegion<int32_t>(a.peers[a.rank], a.layout.flags) + int64_t{stage} * P;
-  for (int p = threadIdx.x; p < P; p += kEpThreads)
-    EpWaitRound(mine + p, round, a.rank, stage, p, a.wait_bound_ns, &sync->reported);
+  EpSignalAll(a, stage, round);
+  if (threadIdx.x == 0) *epoch = round;
+  EpWaitAll(a, stage, round);
+}
+
+// One CTA: waits until every peer has read what this rank wrote into it the call before
+// (`stage` kEpDispatchRead or kEpCombineRead, whose flags reach this rank's current epoch of
+// the call then). The first call waits for round 0, which every zeroed flag has reached.
+__global__ void __launch_bounds__(kEpThreads) EpAwaitKernel(const EpTransportArgs a, int stage) {
+  EpWaitAll(a, stage, EpOwnSync(a)->epoch[EpCallOf(stage)]);
 }
 
 // One CTA a destination d (grid P): the routes to rank d in ascending (t, j), the first C of
@@ -227,8 +260,9 @@ __global__ void __launch_bounds__(kEpThreads) EpPlanKernel(const EpTransportArgs
     a.counts_to[int64_t{d} * a.E_local + e] = hist[e];
 }
 
-// Rank s pushes row i of each block d into rank d's receive row s C + i, with its route and its
-// local expert, a warp a row; then (last CTA) its counts into every rank, the flags, the wait.
+// Rank s pushes row i of each block d into rank d's receive row s C + i, with its route, local
+// expert and weight, a warp a row; then (last CTA) its counts into every rank, the flags, the
+// wait.
 __global__ void __launch_bounds__(kEpThreads) EpDispatchKernel(const EpTransportArgs a) {
   __shared__ int32_t first[kEpMaxRanks + 1];  // exclusive scan of sent over destinations
   const int P = a.ranks, s = a.rank;
@@ -244,10 +278,10 @@ __global__ void __launch_bounds__(kEpThreads) EpDispatchKernel(const EpTransport
     if (threadIdx.x % 32 == 0) {
       EpRegion<int32_t>(peer, a.layout.recv_route)[row] = r;
       EpRegion<int32_t>(peer, a.layout.recv_expert)[row] = a.experts[r] % a.E_local;
+      EpRegion<float>(peer, a.layout.recv_weight)[row] = a.weights ? a.weights[r] : 1.0f;
     }
   }
-  EpSync* sync = EpRegion<EpSync>(a.peers[s], a.layout.sync);
-  if (!EpLastToFinish(&sync->done[kEpDispatch])) return;
+  if (!EpLastToFinish(&EpOwnSync(a)->done[kEpDispatch])) return;
   const int per = 1 + a.E_local;
   for (int64_t q = threadIdx.x; q < int64_t{P} * per; q += kEpThreads) {
     const int d = static_cast<int>(q / per), e = static_cast<int>(q % per);
@@ -259,44 +293,95 @@ __global__ void __launch_bounds__(kEpThreads) EpDispatchKernel(const EpTransport
   EpSignalAndWait(a, kEpDispatch);
 }
 
-// The owner returns the output of each received row to its home rank's slot t k + j, a warp a
-// row; then (last CTA) the flags and the wait for every owner's rows here.
-__global__ void __launch_bounds__(kEpThreads) EpCombineSendKernel(const EpTransportArgs a) {
+// The receive region, complete after the dispatch kernel's wait, into the caller's buffers:
+// the rows a warp a row (only those that arrived), routes, experts and weights of every slot
+// (-1, -1 and 0 past each block's count), the counts; then (last CTA) flags[q][dispatch_read]
+// [this rank] = round for every source q, which may then write its block here again.
+__global__ void __launch_bounds__(kEpThreads) EpReceiveKernel(const EpTransportArgs a) {
   void* own = a.peers[a.rank];
-  const int32_t* recv_route = EpRegion<int32_t>(own, a.layout.recv_route);
+  const int P = a.ranks, per = 1 + a.E_local;
+  const int32_t* counts = EpRegion<int32_t>(own, a.layout.counts);
+  __shared__ int32_t first[kEpMaxRanks + 1];
+  EpScanBlocks(counts, per, P, first);
+  const int chunks = static_cast<int>(a.H / 8);
+  for (int64_t q = EpFirstWarp(); q < first[P]; q += EpGridWarps()) {
+    const int source = EpBlockOf(first, P, q);
+    const int64_t row = int64_t{source} * a.C + (q - first[source]);
+    EpCopyRow(EpRegion<const uint4>(own, a.layout.recv_rows) + row * chunks,
+              static_cast<uint4*>(a.x_recv) + row * chunks, chunks);
+  }
+  const int32_t* route = EpRegion<int32_t>(own, a.layout.recv_route);
+  const int32_t* expert = EpRegion<int32_t>(own, a.layout.recv_expert);
+  const float* weight = EpRegion<float>(own, a.layout.recv_weight);
+  const int64_t stride = int64_t{gridDim.x} * kEpThreads;
+  for (int64_t i = int64_t{blockIdx.x} * kEpThreads + threadIdx.x; i < P * a.C; i += stride) {
+    const int source = static_cast<int>(i / a.C);
+    const bool arrived = i - source * a.C < first[source + 1] - first[source];
+    a.route_recv[i] = arrived ? route[i] : -1;
+    a.expert_recv[i] = arrived ? expert[i] : -1;
+    a.weight_recv[i] = arrived ? weight[i] : 0.0f;
+  }
+  for (int64_t i = int64_t{blockIdx.x} * kEpThreads + threadIdx.x; i < int64_t{P} * per;
+       i += stride)
+    a.counts_recv[i] = counts[i];
+  EpSync* sync = EpOwnSync(a);
+  if (!EpLastToFinish(&sync->done[kEpDispatchRead])) return;
+  EpSignalAll(a, kEpDispatchRead, sync->epoch[EpCallOf(kEpDispatch)]);
+}
+
+// The owner returns the output of each received row (and its row weight) to its home rank's
+// slot t k + j, a warp a row; then (last CTA) the flags and the wait for every owner's rows
+// here.
+__global__ void __launch_bounds__(kEpThreads) EpCombineSendKernel(const EpTransportArgs a) {
   const int chunks = static_cast<int>(a.H / 8);
   const int64_t routes = a.T * a.k;
   __shared__ int32_t first[kEpMaxRanks + 1];
-  EpScanReceived(a, first);
+  EpScanBlocks(a.counts_recv, 1 + a.E_local, a.ranks, first);
   for (int64_t q = EpFirstWarp(); q < first[a.ranks]; q += EpGridWarps()) {
     const int source = EpBlockOf(first, a.ranks, q);
     const int64_t row = int64_t{source} * a.C + (q - first[source]);
-    const int32_t r = recv_route[row];
-    if (r < 0 || r >= routes) continue;  // written by dispatch, so never; never an address
-    EpCopyRow(static_cast<const uint4*>(a.rows_out) + row * chunks,
-              EpRegion<uint4>(a.peers[source], a.layout.combine_slots) + int64_t{r} * chunks,
-              chunks);
+    const int32_t r = a.route_recv[row];
+    if (r < 0 || r >= routes) continue;  // written by the dispatch, so never; never an address
+    void* home = a.peers[source];
+    EpCopyRow(static_cast<const uint4*>(a.rows) + row * chunks,
+              EpRegion<uint4>(home, a.layout.combine_slots) + int64_t{r} * chunks, chunks);
+    if (a.row_weights && threadIdx.x % 32 == 0)
+      EpRegion<float>(home, a.layout.combine_weight)[r] = a.row_weights[row];
   }
-  EpSync* sync = EpRegion<EpSync>(own, a.layout.sync);
-  if (!EpLastToFinish(&sync->done[kEpCombine])) return;
+  if (!EpLastToFinish(&EpOwnSync(a)->done[kEpCombine])) return;
   EpSignalAndWait(a, kEpCombine);
 }
 
+// After the home sum: out_weights[t k + j] = the row weight in slot t k + j (0 without a slot),
+// then (last CTA) flags[q][combine_read][this rank] = round for every owner q, which may then
+// write the slots again.
+__global__ void __launch_bounds__(kEpThreads) EpCombineEndKernel(const EpTransportArgs a) {
+  const float* slot_weight = EpRegion<float>(a.peers[a.rank], a.layout.combine_weight);
+  const int64_t stride = int64_t{gridDim.x} * kEpThreads;
+  for (int64_t r = int64_t{blockIdx.x} * kEpThreads + threadIdx.x;
+       a.out_weights && r < a.T * a.k; r += stride)
+    a.out_weights[r] = a.pos[r] >= 0 ? slot_weight[r] : 0.0f;
+  EpSync* sync = EpOwnSync(a);
+  if (!EpLastToFinish(&sync->done[kEpCombineRead])) return;
+  EpSignalAll(a, kEpCombineRead, sync->epoch[EpCallOf(kEpCombine)]);
+}
+
 // The self-test's stand-in for the owner's experts: each received row times its local expert's
-// scale, rounded to bf16 (f32 product, round to nearest even: what NumPy computes).
+// scale, rounded to bf16 (f32 product, round to nearest even: what NumPy computes), and its
+// weight times the same scale.
 __global__ void __launch_bounds__(kEpThreads) EpScaleRowsKernel(const EpTransportArgs a,
                                                                 const float* scales,
-                                                                __nv_bfloat16* out) {
-  void* own = a.peers[a.rank];
-  const auto* recv = EpRegion<const __nv_bfloat162>(own, a.layout.recv_rows);
-  const int32_t* expert = EpRegion<int32_t>(own, a.layout.recv_expert);
+                                                                __nv_bfloat16* out,
+                                                                float* row_weights) {
+  const auto* recv = static_cast<const __nv_bfloat162*>(a.x_recv);
   const int64_t pairs = a.H / 2;
   __shared__ int32_t first[kEpMaxRanks + 1];
-  EpScanReceived(a, first);
+  EpScanBlocks(a.counts_recv, 1 + a.E_local, a.ranks, first);
   for (int64_t q = EpFirstWarp(); q < first[a.ranks]; q += EpGridWarps()) {
     const int source = EpBlockOf(first, a.ranks, q);
     const int64_t row = int64_t{source} * a.C + (q - first[source]);
-    const float w = scales[expert[row]];
+    const float w = scales[a.expert_recv[row]];
+    if (threadIdx.x % 32 == 0) row_weights[row] = a.weight_recv[row] * w;
     auto* dst = reinterpret_cast<__nv_bfloat162*>(out) + row * pairs;
     for (int64_t c = threadIdx.x % 32; c < pairs; c += 32) {
       const float2 v = __bfloat1622float2(recv[row * pairs + c]);

@@ -112,7 +112,7 @@ def _moe(job: dict):
   shape, ep, modes = Shape(**job["shape"]), job["ep"], job["modes"]
   common = {"dtype": dtype}
   try:
-    layer = jax_layer(job["impl"], shape, JNP[dtype], ep)
+    layer = jax_layer(job["impl"], shape, JNP[dtype], ep, job.get("ep_transport", "auto"))
   except Unavailable as exc:
     yield from (record(dict(mode=m, status="unavailable", reason=str(exc), **common), device)
                 for m in modes)
@@ -154,11 +154,13 @@ _abs_sums = jax.jit(lambda out: [jnp.sum(jnp.abs(a.astype(jnp.float32)))
                                  for a in jax.tree.leaves(out)])
 
 
-def jax_layer(name: str, shape: Shape, dtype, ep: int = 1):
+def jax_layer(name: str, shape: Shape, dtype, ep: int = 1, ep_transport: str = "auto"):
   """layer(x, experts, weights, w_gate, w_up, w_down) -> y, as mok_jax.moe, or raises
-  Unavailable. ep > 1: mok_jax's layer in shard_map over ep devices, tokens and experts split."""
+  Unavailable. ep > 1, or an ep_transport other than "auto": mok_jax's layer in shard_map over
+  ep devices, tokens and experts split, its rows moved by ep_transport."""
+  routed = ep > 1 or ep_transport != "auto"
   if not name.startswith("mok_jax:"):
-    if ep > 1:
+    if routed:
       raise Unavailable("no expert parallelism in this implementation")
     return _peer(name)
   backend, platform = name.split(":", 1)[1], jax.default_backend()
@@ -166,8 +168,10 @@ def jax_layer(name: str, shape: Shape, dtype, ep: int = 1):
     dims = ops.MoeDims(shape.T, shape.H, shape.I, shape.E, shape.k, 0)
     if reason := ops.cuda_unsupported_reason(platform, dtype, dims, mok_jax.Config()):
       raise Unavailable(reason)
-  layer = lambda *args: mok_jax.moe(*args, backend=backend, axis_name="ep" if ep > 1 else None)
-  if ep == 1:
+  config = mok_jax.Config(ep_transport=ep_transport)
+  layer = lambda *args: mok_jax.moe(*args, backend=backend, axis_name="ep" if routed else None,
+                                    config=config)
+  if not routed:
     return layer
   if len(jax.devices()) < ep:
     raise Unavailable(f"--ep {ep} needs {ep} devices, found {len(jax.devices())}")

@@ -161,7 +161,8 @@ def run(opts: Options, on_record=lambda record: None) -> list[dict]:
   t_run, now = time.perf_counter(), datetime.datetime.now(datetime.timezone.utc)
   run_id = f"{now:%Y%m%dT%H%M%SZ}-{secrets.token_hex(2)}"
   base = {"run_id": run_id, "date": now.isoformat(timespec="seconds"), "skew": opts.knobs["skew"],
-          "ep": opts.knobs["ep"], "seed": opts.knobs["seed"], **describe()}
+          "ep": opts.knobs["ep"], "ep_transport": opts.knobs.get("ep_transport", "auto"),
+          "seed": opts.knobs["seed"], **describe()}
   os.makedirs(opts.log_dir, exist_ok=True)
   out, device = [], {}
   progress = lambda text: print(text, file=sys.stderr, flush=True)
