@@ -75,6 +75,7 @@ NB_MODULE(_mok_cuda, m) {
     targets["mok_moe_fwd"] = mok::Capsule(MokMoeFwdCuda);
     targets["mok_moe_bwd"] = mok::Capsule(MokMoeBwdCuda);
     targets["mok_moe_combine"] = mok::Capsule(MokMoeCombineCuda);
+    targets["mok_moe_fwd_fp8"] = mok::Capsule(MokMoeFwdFp8Cuda);
     return targets;
   });
 
