@@ -86,10 +86,54 @@ struct MoeBwdArgs {
   int32_t* queue;         // scratch (TileQueueInts(T, k, E)): tile queues of the GEMM launches
 };
 
+// One FP8 forward call (Config(precision="fp8"), mok_moe_fwd_fp8): the forward of MoeFwdArgs
+// with block-scaled e4m3 products (mok_jax/quantize.py). H, I and Is are multiples of 128;
+// e4m3 buffers are passed as void*, their f32 scales as float*. Activations are quantized in
+// 1 x 128 blocks along the reduction, their scales (blocks, Fp8ScalePitch(rows)) f32: block b
+// of row r at b * pitch + r. The weights come transposed (K-major) with the 128 x 128 block
+// scales of the weights as they are.
+struct MoeFwdFp8Args {
+  int64_t T, H, I, E, k, Is, R;
+  int block_m;
+  int64_t ranks;
+  const void* x;             // (T, H) bf16
+  const int32_t* experts;    // (T, k) local ids
+  const float* weights;      // (T, k)
+  const void* w_gate;        // (E, I, H) e4m3: w_gate^T
+  const float* w_gate_scale; // (E, H / 128, I / 128)
+  const void* w_up;          // (E, I, H)
+  const float* w_up_scale;   // (E, H / 128, I / 128)
+  const void* w_down;        // (E, H, I): w_down^T
+  const float* w_down_scale; // (E, I / 128, H / 128)
+  const void* ws_gate;       // (Is, H); Is = 0: no shared expert
+  const float* ws_gate_scale;// (H / 128, Is / 128)
+  const void* ws_up;         // (Is, H)
+  const float* ws_up_scale;  // (H / 128, Is / 128)
+  const void* ws_down;       // (H, Is)
+  const float* ws_down_scale;// (Is / 128, H / 128)
+  void* y;                   // (T, H) bf16, or f32 when y_f32
+  bool y_f32;
+  int32_t* pos;              // (T, k)
+  int32_t* offsets;          // (E + 1)
+  int32_t* rows;             // (R)
+  void* xq;                  // (R, H) e4m3: each routed row's token row, zero padding rows
+  float* xq_scale;           // (H / 128, Fp8ScalePitch(R))
+  void* hq;                  // (R, I) e4m3: silu(g) * u
+  float* hq_scale;           // (I / 128, Fp8ScalePitch(R))
+  void* y_routed;            // (R, H) bf16: each route's unweighted output
+  void* xq_shared;           // (T, H) e4m3 when Is > 0: every token's row
+  float* xq_shared_scale;    // (H / 128, Fp8ScalePitch(T))
+  void* hq_shared;           // (T, Is) e4m3
+  float* hq_shared_scale;    // (Is / 128, Fp8ScalePitch(T))
+  void* y_shared;            // (T, H) bf16 when Is > 0
+  int32_t* layout;           // (LayoutScratchInts(T, k, E))
+};
+
 // Enqueues the whole forward on `stream`; nothing waits on the host. Returns nullptr, or a
 // message saying what failed (an unsupported shape, a CUDA error).
 const char* LaunchMoeFwd(const MoeFwdArgs& args, cudaStream_t stream);
 const char* LaunchMoeBwd(const MoeBwdArgs& args, cudaStream_t stream);
+const char* LaunchMoeFwdFp8(const MoeFwdFp8Args& args, cudaStream_t stream);
 
 // The forward's combine on its own (mok_moe_combine): out[t] = round(sum_j weights[t, j]
 // rows[pos[t, j]] in j order + extra[t]), one warp a token (sm90/combine.cuh). rows and extra

@@ -38,6 +38,11 @@ constexpr int64_t ExpectedRoutedRows(int64_t routes, int64_t R, int64_t ranks) {
 // the expert's I (the SwiGLU backward's epilogue writes them, the combine sums them in order).
 constexpr int64_t DwPartCols(int64_t I) { return (I + 127) / 128; }
 
+// The FP8 forward's activation scales (mok_moe_fwd_fp8): block b of row r at b * pitch + r, the
+// rows padded to a multiple of 4 so that each block's row of scales starts 16-byte aligned
+// (TMA's strides).
+constexpr int64_t Fp8ScalePitch(int64_t rows) { return (rows + 3) / 4 * 4; }
+
 // Ints of the forward's layout scratch: the layout counts, then the tile queue.
 constexpr int64_t LayoutScratchInts(int64_t T, int64_t k, int64_t experts) {
   return LayoutCountInts(T * k, experts) + TileQueueInts(T, k, experts);

@@ -3,6 +3,7 @@
 // ("What the layer computes").
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -62,6 +63,51 @@ void GateUp(int64_t H, int64_t I, const S* x_row, const S* wg, const S* wu, S* g
   for (int64_t i = 0; i < I; ++i) {
     gu_row[i] = Store<S>(g[i]);
     gu_row[I + i] = Store<S>(u[i]);
+  }
+}
+
+// e4m3 (float8_e4m3fn) bytes, as the FP8 kernels convert: f32 rounded to the nearest e4m3,
+// ties to even, saturated at +-448 (satfinite); NaN becomes 0x7f.
+inline uint8_t ToE4m3(float f) {
+  if (std::isnan(f)) return 0x7f;
+  const uint8_t sign = std::signbit(f) ? 0x80 : 0;
+  const float a = std::fabs(f);
+  if (a >= 448.0f) return sign | 0x7e;
+  if (a == 0.0f) return sign;
+  int ex;
+  std::frexp(a, &ex);  // a in [2^(ex - 1), 2^ex)
+  // The e4m3 spacing there: 2^(E - 3) for a normal binade E >= -6, 2^-9 below.
+  const int step = std::max(ex - 1, -6) - 3;
+  const float v = std::ldexp(std::nearbyint(std::ldexp(a, -step)), step);  // ties to even
+  if (v == 0.0f) return sign;
+  std::frexp(v, &ex);
+  const int E = ex - 1;
+  if (E < -6) return sign | static_cast<uint8_t>(std::ldexp(v, 9));  // subnormal
+  return sign | static_cast<uint8_t>((E + 7) << 3) |
+         static_cast<uint8_t>(static_cast<int>(std::ldexp(v, 3 - E)) - 8);
+}
+
+inline float FromE4m3(uint8_t b) {
+  const int e = (b >> 3) & 15, m = b & 7;
+  const float s = (b & 0x80) ? -1.0f : 1.0f;
+  if (e == 15 && m == 7) return std::nanf("");
+  if (e == 0) return s * std::ldexp(static_cast<float>(m), -9);
+  return s * std::ldexp(static_cast<float>(8 + m), e - 10);
+}
+
+// v[0, n) in 1 x 128 blocks (mok_jax/quantize.py): block b's scale amax / 448 (1 for zeros; a
+// NaN amax, as jnp.max gives one, also 1) at scale[b * pitch], its values v / scale in e4m3.
+inline void QuantizeRow(int64_t n, const float* v, uint8_t* q, float* scale, int64_t pitch) {
+  for (int64_t b = 0; b * 128 < n; ++b) {
+    const int64_t end = std::min(n, (b + 1) * 128);
+    float amax = 0.0f;
+    for (int64_t i = b * 128; i < end; ++i) {
+      const float a = std::fabs(v[i]);
+      amax = std::isnan(a) || std::isnan(amax) ? std::nanf("") : std::max(amax, a);
+    }
+    const float s = amax > 0.0f ? amax / 448.0f : 1.0f;
+    scale[b * pitch] = s;
+    for (int64_t i = b * 128; i < end; ++i) q[i] = ToE4m3(v[i] / s);
   }
 }
 

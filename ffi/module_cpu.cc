@@ -14,6 +14,7 @@ NB_MODULE(_mok_cpu, m) {
     targets["mok_moe_fwd"] = mok::Capsule(MokMoeFwdCpu);
     targets["mok_moe_bwd"] = mok::Capsule(MokMoeBwdCpu);
     targets["mok_moe_combine"] = mok::Capsule(MokMoeCombineCpu);
+    targets["mok_moe_fwd_fp8"] = mok::Capsule(MokMoeFwdFp8Cpu);
     return targets;
   });
   m.def("layout_scratch_ints", &mok::LayoutScratchInts, nb::arg("T"), nb::arg("k"),
@@ -23,4 +24,6 @@ NB_MODULE(_mok_cpu, m) {
         "Ints of the tile-queue scratch (queues of its GEMM launches) that mok_moe_bwd takes.");
   m.def("dw_part_cols", &mok::DwPartCols, nb::arg("I"),
         "Columns of mok_moe_bwd's dw_parts scratch: each routed row's dweights by 128 of I.");
+  m.def("fp8_scale_pitch", &mok::Fp8ScalePitch, nb::arg("rows"),
+        "Columns of mok_moe_fwd_fp8's activation scales (blocks, pitch) for `rows` rows.");
 }

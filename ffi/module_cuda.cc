@@ -78,6 +78,7 @@ NB_MODULE(_mok_cuda, m) {
     targets["mok_moe_combine"] = mok::Capsule(MokMoeCombineCuda);
     targets["mok_ep_dispatch"] = mok::Capsule(MokEpDispatchCuda);
     targets["mok_ep_combine"] = mok::Capsule(MokEpCombineCuda);
+    targets["mok_moe_fwd_fp8"] = mok::Capsule(MokMoeFwdFp8Cuda);
     return targets;
   });
 

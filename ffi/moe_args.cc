@@ -18,6 +18,7 @@ const char* DtypeName(ffi::DataType t) {
     case ffi::DataType::F64: return "f64";
     case ffi::DataType::S32: return "s32";
     case ffi::DataType::S64: return "s64";
+    case ffi::DataType::F8E4M3FN: return "f8e4m3fn";
     default: return "dtype";
   }
 }
@@ -177,6 +178,72 @@ ffi::Error CheckBwdArgs(const MoeDims& d, ffi::DataType dtype, ffi::AnyBuffer dy
     if (err.failure()) return err;
   }
   return ffi::Error::Success();
+}
+
+ffi::ErrorOr<MoeDims> CheckFp8Call(const char* target, const MoeFp8Inputs& in,
+                                   const MoeFwdFp8Results& out, int64_t block_m, int64_t ranks) {
+  auto x = in.x.dimensions(), experts = in.experts.dimensions(), wg = in.w_gate.dimensions(),
+       wsg = in.ws_gate.dimensions();
+  auto fail = [&](const std::string& what) { return ffi::Unexpected(Invalid(target, what)); };
+  if (in.x.element_type() != ffi::DataType::BF16 || x.size() != 2)
+    return fail("x must be bf16 (T, H), got " + Describe(in.x.element_type(), x));
+  if (experts.size() != 2 || experts[0] != x[0] || experts[1] < 1)
+    return fail("experts must be (T, k) with T = " + std::to_string(x[0]) + " and k >= 1, got " +
+                Describe(in.experts.element_type(), experts));
+  if (wg.size() != 3 || wg[2] != x[1] || wg[0] < 1 || wg[1] < 1)
+    return fail("w_gate must be (E, I, H) with H = " + std::to_string(x[1]) + ", got " +
+                Describe(in.w_gate.element_type(), wg));
+  if (wsg.size() != 2 || wsg[1] != x[1])
+    return fail("ws_gate must be (Is, H) with H = " + std::to_string(x[1]) + ", got " +
+                Describe(in.ws_gate.element_type(), wsg));
+  if (block_m < 1 || block_m > 256 || (block_m & (block_m - 1)))
+    return fail("block_m must be a power of two in [1, 256], got " + std::to_string(block_m));
+  if (ranks < 1) return fail("ranks must be at least 1, got " + std::to_string(ranks));
+  MoeDims d{x[0], x[1], wg[1], wg[0], experts[1], wsg[0], 0, block_m, false, ranks};
+  if (d.H % 128 || d.I % 128 || d.Is % 128)
+    return fail("H, I and Is must be multiples of 128 (the FP8 blocks), got " +
+                std::to_string(d.H) + ", " + std::to_string(d.I) + ", " + std::to_string(d.Is));
+  d.R = RoutedRows(d.T * d.k, d.E, d.block_m);
+  const int64_t hb = d.H / 128, ib = d.I / 128, sb = d.Is / 128;
+  const int64_t pitch = Fp8ScalePitch(d.R), shared_rows = d.Is > 0 ? d.T : 0;
+  const ffi::DataType f8 = ffi::DataType::F8E4M3FN, f32 = ffi::DataType::F32,
+                      s32 = ffi::DataType::S32, bf16 = ffi::DataType::BF16;
+  const ffi::DataType ydt = out.y.element_type() == f32 ? f32 : bf16;
+  for (auto err : {CheckBuffer(target, "experts", in.experts, s32, {d.T, d.k}),
+                   CheckBuffer(target, "weights", in.weights, f32, {d.T, d.k}),
+                   CheckBuffer(target, "w_gate", in.w_gate, f8, {d.E, d.I, d.H}),
+                   CheckBuffer(target, "w_gate_scale", in.w_gate_scale, f32, {d.E, hb, ib}),
+                   CheckBuffer(target, "w_up", in.w_up, f8, {d.E, d.I, d.H}),
+                   CheckBuffer(target, "w_up_scale", in.w_up_scale, f32, {d.E, hb, ib}),
+                   CheckBuffer(target, "w_down", in.w_down, f8, {d.E, d.H, d.I}),
+                   CheckBuffer(target, "w_down_scale", in.w_down_scale, f32, {d.E, ib, hb}),
+                   CheckBuffer(target, "ws_gate", in.ws_gate, f8, {d.Is, d.H}),
+                   CheckBuffer(target, "ws_gate_scale", in.ws_gate_scale, f32, {hb, sb}),
+                   CheckBuffer(target, "ws_up", in.ws_up, f8, {d.Is, d.H}),
+                   CheckBuffer(target, "ws_up_scale", in.ws_up_scale, f32, {hb, sb}),
+                   CheckBuffer(target, "ws_down", in.ws_down, f8, {d.H, d.Is}),
+                   CheckBuffer(target, "ws_down_scale", in.ws_down_scale, f32, {sb, hb}),
+                   CheckBuffer(target, "y", out.y, ydt, {d.T, d.H}),
+                   CheckBuffer(target, "pos", out.pos, s32, {d.T, d.k}),
+                   CheckBuffer(target, "offsets", out.offsets, s32, {d.E + 1}),
+                   CheckBuffer(target, "rows", out.rows, s32, {d.R}),
+                   CheckBuffer(target, "xq", out.xq, f8, {d.R, d.H}),
+                   CheckBuffer(target, "xq_scale", out.xq_scale, f32, {hb, pitch}),
+                   CheckBuffer(target, "hq", out.hq, f8, {d.R, d.I}),
+                   CheckBuffer(target, "hq_scale", out.hq_scale, f32, {ib, pitch}),
+                   CheckBuffer(target, "y_routed", out.y_routed, bf16, {d.R, d.H}),
+                   CheckBuffer(target, "xq_shared", out.xq_shared, f8, {shared_rows, d.H}),
+                   CheckBuffer(target, "xq_shared_scale", out.xq_shared_scale, f32,
+                               {hb, Fp8ScalePitch(shared_rows)}),
+                   CheckBuffer(target, "hq_shared", out.hq_shared, f8, {d.T, d.Is}),
+                   CheckBuffer(target, "hq_shared_scale", out.hq_shared_scale, f32,
+                               {sb, Fp8ScalePitch(d.T)}),
+                   CheckBuffer(target, "y_shared", out.y_shared, bf16, {shared_rows, d.H}),
+                   CheckBuffer(target, "layout", out.layout, s32,
+                               {LayoutScratchInts(d.T, d.k, d.E)})}) {
+    if (err.failure()) return ffi::Unexpected(err);
+  }
+  return d;
 }
 
 ffi::Error CheckCudaKernelArgs(const char* target, ffi::AnyBuffer x, int64_t block_m) {

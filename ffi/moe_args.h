@@ -202,6 +202,88 @@ auto BindMoeCombine(Binding binding) {
       .template Ret<ffi::AnyBuffer>();           // out (T, H) like rows or f32
 }
 
+// mok_moe_fwd_fp8: the forward with block-scaled e4m3 products (Config(precision="fp8"),
+// mok_jax/quantize.py), bf16 tokens, H, I and Is multiples of 128. The expert weights come as
+// their e4m3 blocks transposed (K-major, as the FP8 GEMMs read them) beside the 128 x 128 block
+// scales of the weights as they are; activation scales are (blocks, Fp8ScalePitch(rows)) f32,
+// block b of row r at [b, r].
+struct MoeFp8Inputs {
+  ffi::AnyBuffer x;              // (T, H) bf16
+  ffi::AnyBuffer experts;        // (T, k) s32, local ids
+  ffi::AnyBuffer weights;        // (T, k) f32
+  ffi::AnyBuffer w_gate;         // (E, I, H) f8e4m3fn: w_gate's values transposed
+  ffi::AnyBuffer w_gate_scale;   // (E, H / 128, I / 128) f32
+  ffi::AnyBuffer w_up;           // (E, I, H)
+  ffi::AnyBuffer w_up_scale;     // (E, H / 128, I / 128)
+  ffi::AnyBuffer w_down;         // (E, H, I)
+  ffi::AnyBuffer w_down_scale;   // (E, I / 128, H / 128)
+  ffi::AnyBuffer ws_gate;        // (Is, H); Is = 0: no shared expert
+  ffi::AnyBuffer ws_gate_scale;  // (H / 128, Is / 128)
+  ffi::AnyBuffer ws_up;          // (Is, H)
+  ffi::AnyBuffer ws_up_scale;    // (H / 128, Is / 128)
+  ffi::AnyBuffer ws_down;        // (H, Is)
+  ffi::AnyBuffer ws_down_scale;  // (Is / 128, H / 128)
+};
+
+struct MoeFwdFp8Results {
+  ffi::AnyBuffer y;                // (T, H) bf16 or f32
+  ffi::AnyBuffer pos;              // (T, k) s32, as mok_moe_fwd's
+  ffi::AnyBuffer offsets;          // (E + 1) s32
+  ffi::AnyBuffer rows;             // (R) s32
+  ffi::AnyBuffer xq;               // (R, H) f8e4m3fn: each routed row's token row, 0 padding
+  ffi::AnyBuffer xq_scale;         // (H / 128, Fp8ScalePitch(R)) f32, 1 for padding rows
+  ffi::AnyBuffer hq;               // (R, I) f8e4m3fn: silu(g) * u
+  ffi::AnyBuffer hq_scale;         // (I / 128, Fp8ScalePitch(R)) f32
+  ffi::AnyBuffer y_routed;         // (R, H) bf16: each route's unweighted expert output
+  ffi::AnyBuffer xq_shared;        // (T or 0, H) f8e4m3fn: every token's row (Is > 0)
+  ffi::AnyBuffer xq_shared_scale;  // (H / 128, Fp8ScalePitch(T or 0)) f32
+  ffi::AnyBuffer hq_shared;        // (T, Is) f8e4m3fn
+  ffi::AnyBuffer hq_shared_scale;  // (Is / 128, Fp8ScalePitch(T)) f32
+  ffi::AnyBuffer y_shared;         // (T or 0, H) bf16: the shared expert's output
+  ffi::AnyBuffer layout;           // (LayoutScratchInts(T, k, E)) s32
+};
+
+// Checks the inputs and results of mok_moe_fwd_fp8 and returns the sizes of the call
+// (recompute false: the FP8 forward keeps no residual of the GEMMs).
+ffi::ErrorOr<MoeDims> CheckFp8Call(const char* target, const MoeFp8Inputs& in,
+                                   const MoeFwdFp8Results& out, int64_t block_m, int64_t ranks);
+
+template <class Binding>
+auto BindMoeFwdFp8(Binding binding) {
+  return std::move(binding).template Arg<ffi::AnyBuffer>()  // x (T, H) bf16
+      .template Arg<ffi::AnyBuffer>()            // experts (T, k) s32
+      .template Arg<ffi::AnyBuffer>()            // weights (T, k) f32
+      .template Arg<ffi::AnyBuffer>()            // w_gate (E, I, H) f8e4m3fn
+      .template Arg<ffi::AnyBuffer>()            // w_gate_scale (E, H / 128, I / 128) f32
+      .template Arg<ffi::AnyBuffer>()            // w_up (E, I, H) f8e4m3fn
+      .template Arg<ffi::AnyBuffer>()            // w_up_scale (E, H / 128, I / 128) f32
+      .template Arg<ffi::AnyBuffer>()            // w_down (E, H, I) f8e4m3fn
+      .template Arg<ffi::AnyBuffer>()            // w_down_scale (E, I / 128, H / 128) f32
+      .template Arg<ffi::AnyBuffer>()            // ws_gate (Is, H) f8e4m3fn
+      .template Arg<ffi::AnyBuffer>()            // ws_gate_scale (H / 128, Is / 128) f32
+      .template Arg<ffi::AnyBuffer>()            // ws_up (Is, H) f8e4m3fn
+      .template Arg<ffi::AnyBuffer>()            // ws_up_scale (H / 128, Is / 128) f32
+      .template Arg<ffi::AnyBuffer>()            // ws_down (H, Is) f8e4m3fn
+      .template Arg<ffi::AnyBuffer>()            // ws_down_scale (Is / 128, H / 128) f32
+      .template Ret<ffi::AnyBuffer>()            // y (T, H) bf16 or f32
+      .template Ret<ffi::AnyBuffer>()            // pos (T, k) s32
+      .template Ret<ffi::AnyBuffer>()            // offsets (E + 1) s32
+      .template Ret<ffi::AnyBuffer>()            // rows (R) s32
+      .template Ret<ffi::AnyBuffer>()            // xq (R, H) f8e4m3fn
+      .template Ret<ffi::AnyBuffer>()            // xq_scale (H / 128, pitch) f32
+      .template Ret<ffi::AnyBuffer>()            // hq (R, I) f8e4m3fn
+      .template Ret<ffi::AnyBuffer>()            // hq_scale (I / 128, pitch) f32
+      .template Ret<ffi::AnyBuffer>()            // y_routed (R, H) bf16
+      .template Ret<ffi::AnyBuffer>()            // xq_shared (T or 0, H) f8e4m3fn
+      .template Ret<ffi::AnyBuffer>()            // xq_shared_scale (H / 128, pitch) f32
+      .template Ret<ffi::AnyBuffer>()            // hq_shared (T, Is) f8e4m3fn
+      .template Ret<ffi::AnyBuffer>()            // hq_shared_scale (Is / 128, pitch) f32
+      .template Ret<ffi::AnyBuffer>()            // y_shared (T or 0, H) bf16
+      .template Ret<ffi::AnyBuffer>()            // layout s32
+      .template Attr<int64_t>("block_m")
+      .template Attr<int64_t>("ranks");
+}
+
 // What the CUDA kernels add to the contract: bf16 and block_m = 64 or 128. `target` names the call.
 ffi::Error CheckCudaKernelArgs(const char* target, ffi::AnyBuffer x, int64_t block_m);
 

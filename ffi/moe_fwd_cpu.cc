@@ -1,7 +1,9 @@
-// mok_moe_fwd on the CPU: layout, expert MLPs, weighted combine, shared expert.
+// mok_moe_fwd and mok_moe_fwd_fp8 on the CPU: layout, expert MLPs, weighted combine, shared
+// expert.
 #include <algorithm>
 #include <vector>
 
+#include "../cuda/layout_contract.h"
 #include "combine_cpu.h"
 #include "cpu_math.h"
 #include "moe_args.h"
@@ -132,7 +134,138 @@ ffi::Error MoeFwd(ffi::AnyBuffer x, ffi::AnyBuffer experts, ffi::AnyBuffer weigh
   return ffi::Error::Success();
 }
 
+// out[n] = sum over the 128-blocks kb of K of (sum_k a[k] b[n, k] in f32, k ascending) times
+// a's and b's block scales, added in f32 (fmaf), as the FP8 kernels promote their tensor-core
+// sums: a (K) e4m3 with scales a_scale[kb * a_pitch]; b (N, K) e4m3 (a weight transposed) with
+// scales b_scale[kb * N / 128 + n / 128].
+void Fp8Product(int64_t K, int64_t N, const uint8_t* a, const float* a_scale, int64_t a_pitch,
+                const uint8_t* b, const float* b_scale, float* out) {
+  const int64_t n_blocks = N / 128;
+  for (int64_t n = 0; n < N; ++n) {
+    float acc = 0.0f;
+    for (int64_t kb = 0; kb < K / 128; ++kb) {
+      float part = 0.0f;
+      for (int64_t k = kb * 128; k < (kb + 1) * 128; ++k)
+        part += FromE4m3(a[k]) * FromE4m3(b[n * K + k]);
+      acc = std::fmaf(part, a_scale[kb * a_pitch] * b_scale[kb * n_blocks + n / 128], acc);
+    }
+    out[n] = acc;
+  }
+}
+
+// The weights of one FP8 MLP: e4m3 transposed, (I, H), (I, H), (H, I), with their block scales.
+struct Fp8Weights {
+  const uint8_t *gate, *up, *down;
+  const float *gate_scale, *up_scale, *down_scale;
+};
+
+// One quantized row (xq_row with scales at xq_scale, pitch apart) through an FP8 MLP: hq_row
+// and its scales, y_row = hq @ w_down rounded to bf16.
+void Fp8Mlp(int64_t H, int64_t I, const uint8_t* xq_row, const float* xq_scale,
+            int64_t xq_pitch, const Fp8Weights& w, uint8_t* hq_row, float* hq_scale,
+            int64_t hq_pitch, bf16_bits* y_row, std::vector<float>& g, std::vector<float>& u,
+            std::vector<float>& acc) {
+  Fp8Product(H, I, xq_row, xq_scale, xq_pitch, w.gate, w.gate_scale, g.data());
+  Fp8Product(H, I, xq_row, xq_scale, xq_pitch, w.up, w.up_scale, u.data());
+  for (int64_t i = 0; i < I; ++i) g[i] = Silu(g[i]) * u[i];
+  QuantizeRow(I, g.data(), hq_row, hq_scale, hq_pitch);
+  Fp8Product(I, H, hq_row, hq_scale, hq_pitch, w.down, w.down_scale, acc.data());
+  for (int64_t h = 0; h < H; ++h) y_row[h] = Store<bf16_bits>(acc[h]);
+}
+
+// A row of zeros with scale 1 in every block: a padding row's xq or hq.
+void ZeroRow(int64_t n, uint8_t* q, float* scale, int64_t pitch) {
+  std::fill(q, q + n, uint8_t{0});
+  for (int64_t b = 0; b < n / 128; ++b) scale[b * pitch] = 1.0f;
+}
+
+template <class Y>
+void ForwardFp8(const MoeDims& d, const MoeFp8Inputs& in, const MoeFwdFp8Results& out) {
+  const int64_t T = d.T, H = d.H, I = d.I, k = d.k, Is = d.Is;
+  const bf16_bits* x = in.x.reinterpret_data<bf16_bits>();
+  const int32_t* experts = in.experts.reinterpret_data<int32_t>();
+  const float* weights = in.weights.reinterpret_data<float>();
+  auto u8 = [](ffi::AnyBuffer b) { return b.reinterpret_data<uint8_t>(); };
+  auto f32 = [](ffi::AnyBuffer b) { return b.reinterpret_data<float>(); };
+  int32_t* pos = out.pos.reinterpret_data<int32_t>();
+  int32_t* rows = out.rows.reinterpret_data<int32_t>();
+  Layout(d, experts, pos, out.offsets.reinterpret_data<int32_t>(), rows);
+  int32_t* layout = out.layout.reinterpret_data<int32_t>();
+  std::fill(layout, layout + out.layout.element_count(), 0);  // the CPU layout needs no scratch
+  const int64_t pitch = Fp8ScalePitch(d.R), shared_pitch = Fp8ScalePitch(T);
+  uint8_t *xq = u8(out.xq), *hq = u8(out.hq);
+  float *xq_scale = f32(out.xq_scale), *hq_scale = f32(out.hq_scale);
+  bf16_bits* y_routed = out.y_routed.reinterpret_data<bf16_bits>();
+  std::vector<float> xrow(H), g(std::max(I, Is)), u(std::max(I, Is)), acc(H);
+  for (int64_t r = 0; r < d.R; ++r) {
+    uint8_t *xq_row = xq + r * H, *hq_row = hq + r * I;
+    bf16_bits* yr_row = y_routed + r * H;
+    if (rows[r] < 0) {  // padding: zeros with scale 1, as the GPU's gather writes them
+      ZeroRow(H, xq_row, xq_scale + r, pitch);
+      ZeroRow(I, hq_row, hq_scale + r, pitch);
+      std::fill(yr_row, yr_row + H, Store<bf16_bits>(0.0f));
+      continue;
+    }
+    const int64_t t = rows[r] / k, e = experts[rows[r]];
+    for (int64_t h = 0; h < H; ++h) xrow[h] = Load(x[t * H + h]);
+    QuantizeRow(H, xrow.data(), xq_row, xq_scale + r, pitch);
+    const Fp8Weights w{u8(in.w_gate) + e * I * H, u8(in.w_up) + e * I * H,
+                       u8(in.w_down) + e * H * I, f32(in.w_gate_scale) + e * H * I / 16384,
+                       f32(in.w_up_scale) + e * H * I / 16384,
+                       f32(in.w_down_scale) + e * H * I / 16384};
+    Fp8Mlp(H, I, xq_row, xq_scale + r, pitch, w, hq_row, hq_scale + r, pitch, yr_row, g, u, acc);
+  }
+  bf16_bits* y_shared = out.y_shared.reinterpret_data<bf16_bits>();
+  const Fp8Weights ws{u8(in.ws_gate), u8(in.ws_up), u8(in.ws_down), f32(in.ws_gate_scale),
+                      f32(in.ws_up_scale), f32(in.ws_down_scale)};
+  for (int64_t t = 0; t < T && Is > 0; ++t) {
+    for (int64_t h = 0; h < H; ++h) xrow[h] = Load(x[t * H + h]);
+    uint8_t* xq_row = u8(out.xq_shared) + t * H;
+    float* xs_scale = f32(out.xq_shared_scale) + t;
+    QuantizeRow(H, xrow.data(), xq_row, xs_scale, shared_pitch);
+    Fp8Mlp(H, Is, xq_row, xs_scale, shared_pitch, ws, u8(out.hq_shared) + t * Is,
+           f32(out.hq_shared_scale) + t, shared_pitch, y_shared + t * H, g, u, acc);
+  }
+  CombineRows<bf16_bits, Y>(T, k, H, y_routed, pos, weights, Is > 0 ? y_shared : nullptr,
+                            out.y.reinterpret_data<Y>());
+}
+
+ffi::Error MoeFwdFp8(ffi::AnyBuffer x, ffi::AnyBuffer experts, ffi::AnyBuffer weights,
+                     ffi::AnyBuffer w_gate, ffi::AnyBuffer w_gate_scale, ffi::AnyBuffer w_up,
+                     ffi::AnyBuffer w_up_scale, ffi::AnyBuffer w_down,
+                     ffi::AnyBuffer w_down_scale, ffi::AnyBuffer ws_gate,
+                     ffi::AnyBuffer ws_gate_scale, ffi::AnyBuffer ws_up,
+                     ffi::AnyBuffer ws_up_scale, ffi::AnyBuffer ws_down,
+                     ffi::AnyBuffer ws_down_scale, ffi::Result<ffi::AnyBuffer> y,
+                     ffi::Result<ffi::AnyBuffer> pos, ffi::Result<ffi::AnyBuffer> offsets,
+                     ffi::Result<ffi::AnyBuffer> rows, ffi::Result<ffi::AnyBuffer> xq,
+                     ffi::Result<ffi::AnyBuffer> xq_scale, ffi::Result<ffi::AnyBuffer> hq,
+                     ffi::Result<ffi::AnyBuffer> hq_scale, ffi::Result<ffi::AnyBuffer> y_routed,
+                     ffi::Result<ffi::AnyBuffer> xq_shared,
+                     ffi::Result<ffi::AnyBuffer> xq_shared_scale,
+                     ffi::Result<ffi::AnyBuffer> hq_shared,
+                     ffi::Result<ffi::AnyBuffer> hq_shared_scale,
+                     ffi::Result<ffi::AnyBuffer> y_shared, ffi::Result<ffi::AnyBuffer> layout,
+                     int64_t block_m, int64_t ranks) {
+  MoeFp8Inputs in{x,      experts,      weights,     w_gate,  w_gate_scale,
+                  w_up,   w_up_scale,   w_down,      w_down_scale, ws_gate,
+                  ws_gate_scale, ws_up, ws_up_scale, ws_down, ws_down_scale};
+  MoeFwdFp8Results out{*y,         *pos,       *offsets,         *rows,      *xq,
+                       *xq_scale,  *hq,        *hq_scale,        *y_routed,  *xq_shared,
+                       *xq_shared_scale, *hq_shared, *hq_shared_scale, *y_shared, *layout};
+  auto dims = CheckFp8Call("mok_moe_fwd_fp8", in, out, block_m, ranks);
+  if (dims.has_error()) return dims.error();
+  if (out.y.element_type() == ffi::DataType::F32) {
+    ForwardFp8<float>(*dims, in, out);
+  } else {
+    ForwardFp8<bf16_bits>(*dims, in, out);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace mok::cpu
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MokMoeFwdCpu, mok::cpu::MoeFwd, mok::BindMoeFwd(xla::ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MokMoeFwdFp8Cpu, mok::cpu::MoeFwdFp8,
+                              mok::BindMoeFwdFp8(xla::ffi::Ffi::Bind()));

@@ -175,9 +175,6 @@ def _check_quantized(w_gate, w_up, w_down, shared, config, backend):
     raise ValueError(f"moe: quantized expert weights (recipe {recipe!r}) need "
                      f"Config(precision={recipe!r}); for bf16 products pass the master weights "
                      "(w.master)")
-  if backend in ("ffi", "cuda"):
-    raise ValueError(f"moe: quantized expert weights run on backend='xla' so far (or 'auto', "
-                     f"which picks it); backend={backend!r} has no FP8 kernels yet")
   for name, w in named.items():
     quantize.check_quantized(w, name, config.precision)
 
@@ -191,7 +188,7 @@ def _layer(x, experts, weights, w_gate, w_up, w_down, shared=None, *, axis_name,
   dims = ops.check_moe_args(x, experts, weights, w_gate, w_up, w_down, shared)
   n_ranks = 1 if axis_name is None else jax.lax.axis_size(axis_name)
   weights = weights.astype(jnp.float32)
-  fused = _fused_impl(backend, x.dtype, dims, config)
+  fused = _fused_impl(backend, x.dtype, dims, config, expert_parallel=axis_name is not None)
   if fused is not None and axis_name is None:
     return fused(x, _local_ids(experts, dims.E), weights, w_gate, w_up, w_down, shared)
   pieces = (expert_parallel.XlaPieces(precision=config.precision) if fused is None else
@@ -255,20 +252,31 @@ def _local_ids(experts, n_local):
   return jnp.where(mine, experts, -1).astype(jnp.int32)
 
 
-def _fused_impl(backend, dtype, dims, config):
+def _fused_impl(backend, dtype, dims, config, expert_parallel=False):
   """The FFI targets' fused single-rank layer for `backend` (None: the XLA backend's layer,
   mok_jax.expert_parallel with reference.py's math), or an error saying why `backend` cannot
-  run here."""
+  run here. expert_parallel: the layer runs under an axis_name (the FP8 kernels have no
+  expert-parallel path)."""
   if backend not in BACKENDS:
     raise ValueError(f"moe: backend must be one of {BACKENDS}, got {backend!r}")
   if backend == "xla":
     return None
-  if config.precision != "bf16":
-    if backend == "auto":
-      return None
-    raise ValueError(f"moe: Config(precision={config.precision!r}) runs on backend='xla' so "
-                     f"far (or 'auto', which picks it); backend={backend!r} has bf16 and f32 only")
   platform = jax.default_backend()
+  if config.precision != "bf16":
+    # The FP8 forward: the CUDA kernels, or (backend "ffi" on CPU) the C++ target.
+    if backend == "ffi" and platform == "cpu":
+      problem = ops.fp8_unsupported_reason(dtype, dims, config)
+    else:
+      problem = ops.cuda_unsupported_reason(platform, dtype, dims, config)
+    if problem is None and expert_parallel:
+      problem = ("the FP8 kernels have no expert-parallel path; FP8 under axis_name runs on "
+                 "backend='xla' (or 'auto', which picks it)")
+    if backend == "auto":
+      return None if problem else functools.partial(_moe_fp8, config=config)
+    if problem:
+      raise ValueError(f"moe: backend={backend!r} cannot run Config(precision="
+                       f"{config.precision!r}): {problem}")
+    return functools.partial(_moe_fp8, config=config)
   cuda_problem = ops.cuda_unsupported_reason(platform, dtype, dims, config)
   if backend == "auto":
     return None if cuda_problem else functools.partial(_moe_ffi, config=config, ranks=1)
@@ -358,3 +366,58 @@ def _moe_ffi_bwd(out_dtype, config, ranks, saved, dy):
 
 
 _moe_ffi_vjp.defvjp(_moe_ffi_fwd, _moe_ffi_bwd)
+
+
+# The FP8 layer on the FFI targets (Config(precision="fp8")): mok_moe_fwd_fp8's forward, whose
+# products are block-scaled e4m3 as reference.quantized_dot specifies them, and the XLA
+# reference's backward (its FP8 data gradients and bf16 weight gradients, as XlaPieces computes
+# them, after recomputing its forward): the gradients of the reference's semantics, at the cost
+# of the reference's forward and backward.
+
+
+def _moe_fp8(x, experts, weights, w_gate, w_up, w_down, shared, *, config):
+  # As _moe_ffi: operands cast to vary like their union under shard_map, outside the VJP.
+  args = (x, experts, weights, w_gate, w_up, w_down, shared)
+  axes = frozenset().union(*map(reference.varying_axes, jax.tree.leaves(args)))
+  return _moe_fp8_vjp(config, *reference.vary(args, axes))
+
+
+def _fp8_blocks(w):
+  """The 128 x 128 e4m3 blocks of an expert weight: quantize_experts', or for an array its
+  quantization in this call (the bits of quantize_experts, which the reference reads)."""
+  if isinstance(w, quantize.QuantizedWeight):
+    return w.blocks
+  return quantize.quantize(w, quantize.weight_block("fp8", -2), "fp8")
+
+
+def _fp8_forward(config, x, experts, weights, w_gate, w_up, w_down, shared):
+  shared_blocks = None if shared is None else tuple(map(_fp8_blocks, shared))
+  y, _ = ops.moe_fwd_fp8(x, experts, weights, *map(_fp8_blocks, (w_gate, w_up, w_down)),
+                         shared_blocks, out_dtype=x.dtype, block_m=config.block_m)
+  return reference.vary(y, reference.varying_axes(x))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _moe_fp8_vjp(config, x, experts, weights, w_gate, w_up, w_down, shared):
+  return _fp8_forward(config, x, experts, weights, w_gate, w_up, w_down, shared)
+
+
+def _moe_fp8_fwd(config, x, experts, weights, w_gate, w_up, w_down, shared):
+  args = (x, experts, weights, w_gate, w_up, w_down, shared)
+  return _fp8_forward(config, *args), args
+
+
+def _moe_fp8_bwd(config, saved, dy):
+  x, experts, weights, w_gate, w_up, w_down, shared = saved
+  pieces = expert_parallel.XlaPieces(precision=config.precision)
+
+  def reference_layer(x, weights, w_gate, w_up, w_down, shared):
+    return expert_parallel.routed_moe(x, experts, weights, w_gate, w_up, w_down, shared,
+                                      pieces=pieces, axis_name=None, config=config)
+
+  _, pull = jax.vjp(reference_layer, x, weights, w_gate, w_up, w_down, shared)
+  dx, dweights, d_gate, d_up, d_down, d_shared = pull(dy)
+  return dx, None, dweights, d_gate, d_up, d_down, d_shared
+
+
+_moe_fp8_vjp.defvjp(_moe_fp8_fwd, _moe_fp8_bwd)

@@ -7,6 +7,7 @@ and "CUDA", the kernels):
   mok_moe_bwd      all gradients from dy and those residuals
   mok_moe_combine  the forward's combine on its own: the home rank's sum of its tokens' routes
                    under expert parallelism (mok_jax.expert_parallel)
+  mok_moe_fwd_fp8  the forward with block-scaled e4m3 products (Config(precision="fp8"))
 
 The routed buffers are expert-sorted: expert e's routes occupy rows [offsets[e], offsets[e] +
 count_e) in ascending (t, j) order, and offsets[e] is a multiple of block_m. Their row count is
@@ -21,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mok_jax import _mok_cpu
+from mok_jax import _mok_cpu, quantize
 from mok_jax.config import Config
 
 try:
@@ -42,6 +43,7 @@ CUDA_MAX_EXPERTS = 512
 CUDA_DIM_MULTIPLE = 64
 CUDA_BLOCK_MS = (64, 128)  # the kernel's tiles are 128 rows; 64 adds half tiles
 CUDA_COMPUTE_CAPABILITY = "9.0"  # the kernels are sm_90a code: Hopper only
+FP8_BLOCK = 128  # the FP8 kernels' blocks: H, I and Is are multiples of it
 
 
 class MoeDims(NamedTuple):
@@ -101,6 +103,32 @@ BWD_RESULTS = ("dx", "dweights", "dw_gate", "dw_up", "dw_down", "dws_gate", "dws
 BWD_ALIASES = (("gu", "dgu"), ("gu_shared", "dgu_shared"), ("xs", "xs_rows"))
 COMBINE_OPERANDS = ("rows", "pos", "weights", "extra")
 COMBINE_RESULTS = ("out",)
+FWD_FP8_OPERANDS = ("x", "experts", "weights", "w_gate", "w_gate_scale", "w_up", "w_up_scale",
+                    "w_down", "w_down_scale", "ws_gate", "ws_gate_scale", "ws_up", "ws_up_scale",
+                    "ws_down", "ws_down_scale")
+
+
+class Fp8Buffers(NamedTuple):
+  """What mok_moe_fwd_fp8 writes beside y (R = routed_rows(T * k, E, block_m); the scales of an
+  (M, K) activation are (K / 128, fp8_scale_pitch(M)) f32: block b of row r at [b, r]). The
+  layer keeps none of them (its backward is the XLA reference's); the tests read them."""
+
+  pos: jax.Array  # (T, k) int32, as Residuals.pos
+  offsets: jax.Array  # (E + 1,) int32
+  rows: jax.Array  # (R,) int32
+  xq: jax.Array  # (R, H) e4m3: each routed row's token row in 1 x 128 blocks, padding zeros
+  xq_scale: jax.Array  # (H / 128, pitch(R)) f32; padding rows 1
+  hq: jax.Array  # (R, I) e4m3: silu(g) * u of each routed row
+  hq_scale: jax.Array  # (I / 128, pitch(R)) f32
+  y_routed: jax.Array  # (R, H) bf16: each route's unweighted output
+  xq_shared: jax.Array  # (T, H) e4m3 (0 rows without a shared expert): every token's row
+  xq_shared_scale: jax.Array  # (H / 128, pitch(T or 0)) f32
+  hq_shared: jax.Array  # (T, Is) e4m3
+  hq_shared_scale: jax.Array  # (Is / 128, pitch(T)) f32
+  y_shared: jax.Array  # (T, H) bf16 (0 rows without a shared expert)
+
+
+FWD_FP8_RESULTS = ("y", *Fp8Buffers._fields, "layout")
 
 
 def routed_rows(num_routes: int, num_experts: int, block_m: int) -> int:
@@ -172,8 +200,24 @@ def check_ffi_dtype(dtype):
     raise ValueError(f"the FFI targets take {', '.join(map(str, DTYPES))}, got {dtype}")
 
 
+def fp8_unsupported_reason(dtype, dims: MoeDims, config) -> str | None:
+  """Why the FP8 targets (mok_moe_fwd_fp8, on CPU and CUDA alike) cannot run this call with
+  config.precision (not "bf16"), or None when they can."""
+  if config.precision != "fp8":
+    return (f"the FP8 kernels implement Config(precision='fp8') (Hopper's e4m3 in 128-blocks); "
+            f"{config.precision!r} runs on backend='xla'")
+  if jnp.dtype(dtype) != CUDA_DTYPE:
+    return f"the FP8 kernels take {CUDA_DTYPE} tokens and weights, got {jnp.dtype(dtype)}"
+  b = FP8_BLOCK
+  if dims.H % b or dims.I % b or dims.Is % b:
+    return (f"the FP8 kernels need H, I and Is divisible by {b} (their blocks), got {dims.H}, "
+            f"{dims.I}, {dims.Is}")
+  return None
+
+
 def cuda_unsupported_reason(platform, dtype, dims: MoeDims, config) -> str | None:
-  """Why the CUDA kernel cannot run this call, or None when it can."""
+  """Why the CUDA kernel cannot run this call, or None when it can (with an FP8 precision, the
+  FP8 forward: fp8_unsupported_reason too)."""
   if platform != "gpu":
     return f"JAX's default backend is {platform!r}, not a CUDA GPU"
   if _mok_cuda is None:
@@ -191,6 +235,8 @@ def cuda_unsupported_reason(platform, dtype, dims: MoeDims, config) -> str | Non
     return f"the CUDA kernel holds at most {CUDA_MAX_EXPERTS} experts per GPU, got {dims.E}"
   if config.block_m not in CUDA_BLOCK_MS:
     return f"the CUDA kernel needs Config.block_m in {CUDA_BLOCK_MS}, got {config.block_m}"
+  if config.precision != "bf16":
+    return fp8_unsupported_reason(dtype, dims, config)
   return None
 
 
@@ -443,3 +489,108 @@ def moe_combine(rows, pos, weights=None, extra=None, *, out_dtype=None):
                           vmap_method="sequential")
   return call(rows, pos, weights, extra)
 
+
+
+def fp8_scale_pitch(rows: int) -> int:
+  """Columns of an FP8 activation's scales (K / 128, pitch) for `rows` rows (a multiple of 4,
+  so that each block's scales start 16-byte aligned: the kernels load them by TMA)."""
+  return _mok_cpu.fp8_scale_pitch(rows)
+
+
+def fwd_fp8_results(dims: MoeDims, out_dtype, block_m) -> tuple:
+  """The results mok_moe_fwd_fp8 declares, in FWD_FP8_RESULTS order."""
+  T, H, I, E, k, Is = dims
+  R = routed_rows(T * k, E, block_m)
+  Ts = T if Is else 0  # rows of the shared expert's token buffers
+  b = FP8_BLOCK
+  sds, e4m3, f32 = jax.ShapeDtypeStruct, quantize.E4M3, jnp.float32
+  return _in_order(FWD_FP8_RESULTS, dict(
+      y=sds((T, H), out_dtype),
+      pos=sds((T, k), jnp.int32),
+      offsets=sds((E + 1,), jnp.int32),
+      rows=sds((R,), jnp.int32),
+      xq=sds((R, H), e4m3),
+      xq_scale=sds((H // b, fp8_scale_pitch(R)), f32),
+      hq=sds((R, I), e4m3),
+      hq_scale=sds((I // b, fp8_scale_pitch(R)), f32),
+      y_routed=sds((R, H), jnp.bfloat16),
+      xq_shared=sds((Ts, H), e4m3),
+      xq_shared_scale=sds((H // b, fp8_scale_pitch(Ts)), f32),
+      hq_shared=sds((T, Is), e4m3),
+      hq_shared_scale=sds((Is // b, fp8_scale_pitch(T)), f32),
+      y_shared=sds((Ts, H), jnp.bfloat16),
+      layout=sds((_mok_cpu.layout_scratch_ints(T, k, E),), jnp.int32),
+  ))
+
+
+def _check_blocks(name, q, shape):
+  """q is the 128 x 128 quantization (quantize.Blocks) of a weight of `shape`."""
+  want = quantize.scale_shape(shape, (FP8_BLOCK, FP8_BLOCK))
+  if (not isinstance(q, quantize.Blocks) or _shape(q.data) != shape or
+      jnp.dtype(q.data.dtype) != quantize.E4M3 or _shape(q.scale) != want or
+      jnp.dtype(q.scale.dtype) != jnp.float32):
+    got = (f"{q.data.dtype} {_shape(q.data)} and {q.scale.dtype} {_shape(q.scale)}"
+           if isinstance(q, quantize.Blocks) else type(q).__name__)
+    raise ValueError(f"moe_fwd_fp8: {name} must be quantize.Blocks of e4m3 {shape} and f32 "
+                     f"{want}, got {got}")
+
+
+def moe_fwd_fp8(x, experts, weights, w_gate, w_up, w_down, shared=None, *, out_dtype, block_m,
+                ranks=1):
+  """Target mok_moe_fwd_fp8: the layer forward with block-scaled e4m3 products.
+
+  Inputs:
+    x (T, H) bf16; experts (T, k) int32 local ids; weights (T, k) f32; w_gate, w_up, w_down
+    the 128 x 128 quantize.Blocks of the (E, H, I), (E, H, I), (E, I, H) expert weights
+    (quantize_experts' `blocks`); shared None or the Blocks of (ws_gate (H, Is), ws_up (H, Is),
+    ws_down (Is, H)). H, I and Is multiples of 128.
+  Outputs:
+    y (T, H) out_dtype (bf16, or f32 for a partial sum), and `Fp8Buffers`.
+  The e4m3 blocks go to the target transposed (K-major, as e4m3 wgmma reads its operands): a
+  copy of each weight's e4m3 bytes every call, beside their scales as they are.
+  """
+  if np.ndim(x) != 2 or jnp.dtype(x.dtype) != CUDA_DTYPE:
+    raise ValueError(f"moe_fwd_fp8: x must be (T, H) {CUDA_DTYPE}, got {x.dtype} {_shape(x)}")
+  T, H = _shape(x)
+  if np.ndim(experts) != 2 or _shape(experts)[0] != T or experts.dtype != jnp.int32:
+    raise ValueError(f"moe_fwd_fp8: experts must be ({T}, k) int32, got {experts.dtype} "
+                     f"{_shape(experts)}")
+  k = _shape(experts)[1]
+  if _shape(weights) != (T, k) or weights.dtype != jnp.float32:
+    raise ValueError(f"moe_fwd_fp8: weights must be ({T}, {k}) float32, got {weights.dtype} "
+                     f"{_shape(weights)}")
+  if not isinstance(w_gate, quantize.Blocks) or np.ndim(w_gate.data) != 3:
+    raise ValueError("moe_fwd_fp8: w_gate must be quantize.Blocks of an (E, H, I) weight")
+  E, _, I = _shape(w_gate.data)
+  _check_blocks("w_gate", w_gate, (E, H, I))
+  _check_blocks("w_up", w_up, (E, H, I))
+  _check_blocks("w_down", w_down, (E, I, H))
+  Is = 0
+  if shared is not None:
+    ws_gate, ws_up, ws_down = shared
+    if not isinstance(ws_gate, quantize.Blocks) or np.ndim(ws_gate.data) != 2:
+      raise ValueError("moe_fwd_fp8: shared must be the quantize.Blocks of (ws_gate (H, Is), "
+                       "ws_up (H, Is), ws_down (Is, H))")
+    Is = _shape(ws_gate.data)[1]
+    _check_blocks("ws_gate", ws_gate, (H, Is))
+    _check_blocks("ws_up", ws_up, (H, Is))
+    _check_blocks("ws_down", ws_down, (Is, H))
+  dims = MoeDims(T, H, I, E, k, Is)
+  if problem := fp8_unsupported_reason(x.dtype, dims, Config(precision="fp8")):
+    raise ValueError(f"moe_fwd_fp8: {problem}")
+  out_dtype = jnp.dtype(out_dtype)
+  if out_dtype not in (CUDA_DTYPE, jnp.dtype(jnp.float32)):
+    raise ValueError(f"moe_fwd_fp8: out_dtype must be bfloat16 or float32, got {out_dtype}")
+  if shared is None:
+    empty = quantize.Blocks(jnp.zeros((H, 0), quantize.E4M3),
+                            jnp.zeros((H // FP8_BLOCK, 0), jnp.float32))
+    shared = (empty, empty, quantize.Blocks(jnp.zeros((0, H), quantize.E4M3),
+                                            jnp.zeros((0, H // FP8_BLOCK), jnp.float32)))
+  operands = []
+  for q in (w_gate, w_up, w_down, *shared):
+    operands += [jnp.swapaxes(q.data, -1, -2), q.scale]
+  results = fwd_fp8_results(dims, out_dtype, block_m)
+  call = jax.ffi.ffi_call("mok_moe_fwd_fp8", results, vmap_method="sequential")
+  y, *buffers = call(x, experts, weights, *operands, block_m=np.int64(block_m),
+                     ranks=_ranks(ranks))
+  return y, Fp8Buffers(*buffers[:len(Fp8Buffers._fields)])

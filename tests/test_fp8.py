@@ -4,41 +4,22 @@ on the dequantized blocks, forward and backward, and the layer against the bf16 
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import mok_jax
+import fp8_cases
 from cases import (BF16, F32, GRAD_NAMES, assert_same_bits, distinct_experts, loss_and_grads,
                    make_case, mesh_of, named_grads, sharded_loss_and_grads)
-from mok_jax import quantize, reference
+from fp8_cases import numpy_quantize
+from mok_jax import ops, quantize, reference
 
 RECIPES = ("fp8", "mxfp8")
-
-
-def numpy_quantize(a, block, recipe):
-  """The recipe in NumPy: per block, scale = amax / 448 ("fp8") or 2^ceil(log2(amax / 448))
-  ("mxfp8"), 1 for a zero block; values a / scale, saturated at 448, rounded to e4m3."""
-  a = np.asarray(a, np.float32)
-  bm, bn = block
-  M, N = a.shape
-  scale = np.ones((-(-M // bm), -(-N // bn)), np.float32)
-  data = np.zeros(a.shape, ml_dtypes.float8_e4m3fn)
-  for i in range(scale.shape[0]):
-    for j in range(scale.shape[1]):
-      blk = a[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn]
-      amax = np.float32(np.abs(blk).max())
-      if amax > 0:
-        s = amax / np.float32(448) if recipe == "fp8" else np.exp2(np.ceil(np.log2(
-            amax / np.float32(448))))
-        scale[i, j] = np.float32(s)
-      v = np.clip(blk / scale[i, j], -448, 448).astype(ml_dtypes.float8_e4m3fn)
-      data[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn] = v
-  return data, scale
 
 
 def random_array(shape, seed):
@@ -131,11 +112,127 @@ def test_fp8_errors():
   with pytest.raises(ValueError, match="Config.precision must be one of"):
     mok_jax.Config(precision="int8")
   case = make_case(T=8, H=128, I=128, E=2, k=1, dtype=BF16)
-  for backend in ("ffi", "cuda"):
-    with pytest.raises(ValueError, match="runs on backend='xla' so far"):
-      mok_jax.moe(*case.args(), config=mok_jax.Config(precision="fp8"), backend=backend)
+  fp8, mx = mok_jax.Config(precision="fp8"), mok_jax.Config(precision="mxfp8")
+  with pytest.raises(ValueError, match=r"backend='cuda' cannot run Config\(precision='fp8'\): "
+                     "JAX's default backend is 'cpu'"):
+    mok_jax.moe(*case.args(), config=fp8, backend="cuda")
+  with pytest.raises(ValueError, match=r"the FP8 kernels implement Config\(precision='fp8'\)"
+                     r".*'mxfp8' runs on backend='xla'"):  # the FP8 targets implement "fp8"
+    mok_jax.moe(*case.args(), config=mx, backend="ffi")
   with pytest.raises(ValueError, match="recipe must be one of"):
     quantize.quantize(jnp.ones((2, 2)), (1, 2), "fp4")
+
+
+# Calls that the FP8 targets refuse, with the reason (ops.fp8_unsupported_reason): backend
+# "ffi" on CPU raises it, "auto" takes the XLA backend instead.
+FP8_TARGET_REFUSALS = [
+    ("H", dict(H=192), r"the FP8 kernels need H, I and Is divisible by 128 .*got 192, 128, 0"),
+    ("I", dict(I=64), r"the FP8 kernels need H, I and Is divisible by 128 .*got 128, 64, 0"),
+    ("Is", dict(Is=64), r"the FP8 kernels need H, I and Is divisible by 128 .*got 128, 128, 64"),
+    ("f32", dict(dtype=F32), r"the FP8 kernels take bfloat16 tokens and weights, got float32"),
+]
+
+
+@pytest.mark.parametrize("change, message", [r[1:] for r in FP8_TARGET_REFUSALS],
+                         ids=[r[0] for r in FP8_TARGET_REFUSALS])
+def test_fp8_target_refusals(change, message):
+  shape = dict(T=8, H=128, I=128, E=2, k=1, Is=None, dtype=BF16) | change
+  case = make_case(**shape)
+  fp8 = mok_jax.Config(precision="fp8")
+  dims = ops.MoeDims(8, shape["H"], shape["I"], 2, 1, shape["Is"] or 0)
+  assert re.search(message, ops.fp8_unsupported_reason(shape["dtype"], dims, fp8))
+  with pytest.raises(ValueError, match=r"backend='ffi' cannot run Config\(precision='fp8'\): " +
+                     message):
+    mok_jax.moe(*case.args(), shared=case.shared, config=fp8, backend="ffi")
+  y = mok_jax.moe(*case.args(), shared=case.shared, config=fp8, backend="auto")  # the XLA path
+  want = mok_jax.moe(*case.args(), shared=case.shared, config=fp8, backend="xla")
+  assert_same_bits(y, want, "auto")
+
+
+def test_fp8_target_has_no_expert_parallel_path():
+  case = make_case(T=16, H=128, I=128, E=4, k=2, dtype=BF16)
+  fp8 = mok_jax.Config(precision="fp8")
+
+  def layer(backend):
+    return jax.shard_map(
+        lambda x, e, w, g, u, d: mok_jax.moe(x, e, w, g, u, d, axis_name="ep", config=fp8,
+                                            backend=backend),
+        mesh=mesh_of(2), in_specs=P("ep"), out_specs=P("ep"))
+
+  args = (case.x, jnp.asarray(case.experts), case.weights, case.w_gate, case.w_up, case.w_down)
+  with pytest.raises(ValueError, match="the FP8 kernels have no expert-parallel path"):
+    jax.jit(layer("ffi"))(*args)
+  assert_same_bits(jax.jit(layer("auto"))(*args), jax.jit(layer("xla"))(*args), "auto under EP")
+
+
+def test_moe_fwd_fp8_checks_its_operands():
+  case = make_case(T=8, H=128, I=128, E=2, k=1, Is=128, dtype=BF16)
+  qs = [q.blocks for q in mok_jax.quantize_experts(case.w_gate, case.w_up, case.w_down)]
+  shared = tuple(quantize.quantize(w, (128, 128), "fp8") for w in case.shared)
+  e = jnp.asarray(case.experts, jnp.int32)
+
+  def call(x=case.x, experts=e, weights=case.weights, ws=qs, shared=shared, out_dtype=BF16):
+    return jax.eval_shape(lambda: ops.moe_fwd_fp8(x, experts, weights, *ws, shared,
+                                                  out_dtype=out_dtype, block_m=64))
+
+  y, buffers = call()
+  assert y.shape == (8, 128) and buffers.xq.dtype == quantize.E4M3
+  R = ops.routed_rows(8, 2, 64)
+  assert buffers.xq_scale.shape == (1, ops.fp8_scale_pitch(R)) and ops.fp8_scale_pitch(R) % 4 == 0
+  bad = [
+      (dict(x=case.x.astype(F32)), r"x must be \(T, H\) bfloat16"),
+      (dict(experts=e.astype(jnp.int16)), r"experts must be \(8, k\) int32"),
+      (dict(weights=case.weights[:, :0]), r"weights must be \(8, 1\) float32"),
+      (dict(ws=[qs[0], qs[1], quantize.Blocks(qs[2].data, qs[2].scale[:, :, :0])]),
+       r"w_down must be quantize.Blocks of e4m3 \(2, 128, 128\) and f32 \(2, 1, 1\)"),
+      (dict(ws=[qs[0], case.w_up, qs[2]]), r"w_up must be quantize.Blocks .*got ArrayImpl"),
+      (dict(shared=(shared[0], shared[1], quantize.Blocks(shared[2].data.astype(BF16),
+                                                          shared[2].scale))),
+       r"ws_down must be quantize.Blocks of e4m3"),
+      (dict(out_dtype=jnp.float16), r"out_dtype must be bfloat16 or float32"),
+  ]
+  for kw, message in bad:
+    with pytest.raises(ValueError, match=message):
+      call(**kw)
+
+
+# --- the C++ CPU target mok_moe_fwd_fp8 (backend "ffi"), checked as the CUDA one is ----------
+
+
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_fp8_target_is_exact_where_the_products_are(block_m):
+  fp8_cases.check_exact(fp8_cases.exact_case(), block_m)
+
+
+@pytest.mark.parametrize("T, H, I, E, k, Is, routing", [
+    (37, 128, 256, 5, 2, 0, "distinct"), (70, 256, 128, 4, 3, 128, "skewed"),
+    (50, 128, 128, 3, 2, 128, "invalid")])
+def test_fp8_target_against_the_reference(T, H, I, E, k, Is, routing):
+  experts = fp8_cases.fp8_routing(routing, T, E, k)
+  fp8_cases.check_against_reference(fp8_cases.random_case(T, H, I, E, k, Is, T, experts), 64)
+
+
+def test_fp8_target_layer_and_gradients():
+  """moe on backend 'ffi' with precision 'fp8': y within flips of the XLA backend's, the
+  gradients the XLA reference's (its backward, after its own forward), the same bits from
+  quantize_experts' weights as from the arrays, and every run alike."""
+  case = make_case(T=40, H=256, I=128, E=4, k=2, Is=128, dtype=BF16, seed=1)
+  config = mok_jax.Config(precision="fp8")
+  y, grads = loss_and_grads(case, "ffi", config)
+  want_y, want = loss_and_grads(case, "xla", config)
+  fp8_cases.assert_fp8_close(y, want_y, "y")
+  for name in want:
+    fp8_cases.assert_fp8_close(grads[name], want[name], f"d{name}")
+  again = loss_and_grads(case, "ffi", config)
+  assert_same_bits(again[0], y, "y again")
+  for name in grads:
+    assert_same_bits(again[1][name], grads[name], f"d{name} again")
+  (_, y0), g0 = layer_loss(case, config, quantized=False, backend="ffi")(*case.params())
+  (_, y1), g1 = layer_loss(case, config, quantized=True, backend="ffi")(*case.params())
+  assert_same_bits(y1, y0, "y from quantize_experts")
+  g0, g1 = named_grads(case, g0), named_grads(case, g1)
+  for name in g0:
+    assert_same_bits(g1[name], g0[name], f"d{name} from quantize_experts")
 
 
 # --- mok_jax.quantize_experts ---------------------------------------------------------------
@@ -183,7 +280,7 @@ def test_quantize_experts_has_the_quantizer_bits(recipe):
           np.asarray(quantize.fake_quantize(w, quantize.weight_block(recipe, axis), recipe)))
 
 
-def layer_loss(case, config, quantized, recipe=None):
+def layer_loss(case, config, quantized, recipe=None, backend="xla"):
   """jit(value_and_grad) of sum(dy * y) w.r.t. (x, weights, w_gate, w_up, w_down, shared), the
   expert weights passed as they are or through quantize_experts inside the loss."""
 
@@ -191,7 +288,8 @@ def layer_loss(case, config, quantized, recipe=None):
     ws = (w_gate, w_up, w_down)
     if quantized:
       ws = mok_jax.quantize_experts(*ws, recipe=recipe or config.precision)
-    y = mok_jax.moe(x, case.experts, weights, *ws, shared=shared, config=config, backend="xla")
+    y = mok_jax.moe(x, case.experts, weights, *ws, shared=shared, config=config,
+                    backend=backend)
     return jnp.sum(y.astype(jnp.float32) * case.dy), y
 
   return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True))
@@ -307,10 +405,10 @@ def _bad_moe_calls():
        r"recipe='fp8'"),
       ("mixed_recipes", lambda c, q, m: moe(c, (q[0], q[1], m[2])), ValueError,
        r"w_down was quantized with recipe 'mxfp8'"),
-      ("ffi", lambda c, q, m: moe(c, q, backend="ffi"), ValueError,
-       r"quantized expert weights run on backend='xla' so far .*'ffi' has no FP8 kernels"),
       ("cuda", lambda c, q, m: moe(c, q, backend="cuda"), ValueError,
-       r"backend='cuda' has no FP8 kernels"),
+       r"backend='cuda' cannot run Config\(precision='fp8'\): JAX's default backend is 'cpu'"),
+      ("mxfp8_ffi", lambda c, q, m: moe(c, m, mx, backend="ffi"), ValueError,
+       r"the FP8 kernels implement Config\(precision='fp8'\)"),
       ("one_quantized", lambda c, q, m: moe(c, (q[0], c.w_up, c.w_down)), ValueError,
        r"w_gate quantized but not w_up, w_down; pass all three"),
       ("scale_shape", lambda c, q, m: moe(c, (_replace_blocks(q[0], scale=jnp.tile(

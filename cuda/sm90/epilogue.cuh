@@ -13,6 +13,7 @@
 #include "gemm_config.cuh"
 #include "mainloop.cuh"
 #include "ptx.cuh"
+#include "quantize.cuh"
 
 namespace mok::sm90 {
 
@@ -554,6 +555,63 @@ __device__ __forceinline__ void ZeroTailPadding(const GemmParams& p, const GemmT
   }
 }
 
+// The FP8 forward's gate|up epilogue (kSwiGLU with kFp8): h = silu(g) * u from the f32 g, u,
+// quantized in 1 x 128 blocks along I (quantize.cuh), the down GEMM's A. A column tile's 128 h
+// columns are one block, whose amax over a row is a butterfly over the quad of threads that
+// hold the row. The warpgroup's 64 rows go out as one (128 bytes, 64 rows) TMA box of e4m3
+// through its staging (the box's 128-byte swizzle), not waited for, as StagePass's; each row's
+// scale with a plain store (published with the rows, RunConsumerFp8).
+template <class Smem, class Accum>
+__device__ __forceinline__ void StoreSwiGLUFp8(const GemmParams& p, const GemmTile& tile,
+                                               Smem& smem, int thread, WarpgroupPart part,
+                                               const Accum& acc) {
+  static_assert(AccCols<Accum>() == GemmConfig::kBlockN, "FP8 tiles are never split");
+  constexpr int kUp = AccCols<Accum>() / 4;  // value v + kUp is gate value v's up partner
+  const int wg = thread / 128, wg_thread = thread % 128;
+  const uint32_t barrier = 2 + wg;
+  if (part.row0 >= tile.m_end) return;  // uniform over the warpgroup
+  const int r0 = AccRow(wg_thread), c0 = AccCol(wg_thread);
+  float h[kUp];
+  float amax[2] = {0.0f, 0.0f};  // rows r0, r0 + 8
+  CUTE_UNROLL
+  for (int v = 0; v < kUp; ++v) {
+    h[v] = Silu(acc(v)) * acc(v + kUp);
+    amax[(v >> 1) & 1] = MaxNaN(amax[(v >> 1) & 1], fabsf(h[v]));
+  }
+  CUTE_UNROLL
+  for (int i = 0; i < 2; ++i) {
+    amax[i] = MaxNaN(amax[i], __shfl_xor_sync(0xffffffffu, amax[i], 1));
+    amax[i] = MaxNaN(amax[i], __shfl_xor_sync(0xffffffffu, amax[i], 2));
+  }
+  const float scale[2] = {BlockScale(amax[0]), BlockScale(amax[1])};
+  const uint32_t base = SmemAddr(smem.stage[wg]);
+  if (wg_thread == 0) BulkWaitRead<0>();  // the last store has read the staging
+  NamedBarrierSync(barrier, 128);
+  CUTE_UNROLL
+  for (int j = 0; j < kUp / 4; ++j) {
+    CUTE_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      // Values v, v + 1: row r0 + 8 half, columns (bytes) c0 + 8 j and the one after.
+      const int v = 4 * j + 2 * half, r = r0 + 8 * half, col = c0 + 8 * j;
+      StoreShared16(base + r * kFp8Block + (((col >> 4) ^ (r % 8)) << 4) + (col & 15),
+                    E4m3Pair(h[v], h[v + 1], scale[half]));
+    }
+  }
+  FenceProxyAsyncShared();  // the writes, before the async proxy reads them
+  NamedBarrierSync(barrier, 128);
+  if (wg_thread == 0) {
+    TmaStore2d(&p.o1, base, tile.n_tile * kFp8Block, static_cast<int32_t>(part.row0));
+    BulkCommitGroup();
+  }
+  if (c0 == 0) {
+    CUTE_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      const int64_t row = part.row0 + r0 + 8 * half;
+      if (row < tile.m_end) p.h_scale[tile.n_tile * p.h_scale_pitch + row] = scale[half];
+    }
+  }
+}
+
 // thread: index among the 256 consumer threads; acc: its warpgroup's part of the tile.
 // gu_ahead: kSwiGLUBwd, the first two passes' g and u if loaded before the MMAs
 // (SwiGLUBwdLoadAhead), else null.
@@ -568,6 +626,8 @@ __device__ __forceinline__ void StoreTile(const GemmParams& p, const GemmTile& t
   static_assert(!Kind::kTmaStore, "StageSlab");
   if constexpr (kEpi == Epilogue::kSwiGLUBwd) {
     SwiGLUBwdStaged(p, tile, smem, thread, part, acc, gu_ahead);
+  } else if constexpr (Kind::kFp8 && kEpi == Epilogue::kSwiGLU) {
+    StoreSwiGLUFp8(p, tile, smem, thread, part, acc);
   } else {
     static_assert(Kind::kSched == Schedule::kRowsByGroup, "grouped outputs are TMA-stored");
     StageAndStore<Kind, kLateAddresses>(p, tile, smem, thread, part, acc);

@@ -38,4 +38,37 @@ const char* LaunchExpertMlps(const ExpertMlp* mlps, int count, bool down,
   return LaunchQueued<FwdGateUp, FwdDown>(c, stream);
 }
 
+const char* LaunchExpertMlpsFp8(const ExpertMlpFp8* mlps, int count, int32_t* counter,
+                                int32_t* ready, cudaStream_t stream) {
+  if (count > 2 || (count == 2 && mlps[1].offsets))
+    return "LaunchExpertMlpsFp8 takes the routed MLP and at most a shared one (no row groups)";
+  ChainParams c = EmptyChain();
+  c.queue = counter;
+  c.ready = ready;
+  for (int j = 0; j < count; ++j) {
+    const ExpertMlpFp8& m = mlps[j];
+    GemmParams& up = c.gemm[j];  // slots 0, 1: gate|up
+    up = RowGroups(m.offsets, m.block_m, m.groups, m.m, m.m_expected);
+    up.n = static_cast<int>(m.I), up.k = static_cast<int>(m.H), up.k_split = up.k;
+    up.n_split = up.n, up.out0 = nullptr, up.out1 = m.hq;
+    up.b_scale0 = m.gate_scale, up.b_scale1 = m.up_scale;
+    up.h_scale = m.hq_scale, up.h_scale_pitch = m.hq_pitch;
+    if (auto err = PrepareGemmFp8<FwdGateUpFp8>(up, {m.xq, m.H, m.m}, m.xq_scale, m.xq_pitch,
+                                                {m.w_gate, m.H, m.groups * m.I},
+                                                {m.w_up, m.H, m.groups * m.I}))
+      return err;
+    GemmParams& p = c.gemm[2 + j];  // slots 2, 3: down
+    p = RowGroups(m.offsets, m.block_m, m.groups, m.m, m.m_expected);
+    p.n = static_cast<int>(m.H), p.k = static_cast<int>(m.I), p.k_split = p.k;
+    p.n_split = p.n, p.out0 = m.y, p.out1 = m.y;
+    p.b_scale0 = m.down_scale;
+    if (auto err = PrepareGemmFp8<FwdDownFp8>(p, {m.hq, m.I, m.m}, m.hq_scale, m.hq_pitch,
+                                              {m.w_down, m.I, m.groups * m.H}, {}))
+      return err;
+    c.ready_base[j] = m.ready_base;
+    c.wait_base[2 + j] = m.ready_base, c.wait_count[2 + j] = up.n_tiles;
+  }
+  return LaunchQueued<FwdGateUpFp8, FwdDownFp8>(c, stream);
+}
+
 }  // namespace mok::sm90

@@ -37,4 +37,35 @@ struct ExpertMlp {
 const char* LaunchExpertMlps(const ExpertMlp* mlps, int count, bool down,
                              int32_t* counter, int32_t* ready, cudaStream_t stream);
 
+// One expert MLP in block-scaled e4m3 (Config(precision="fp8")): hq = quantize(silu(g) * u)
+// with [g | u] = xq @ [w_gate | w_up] (m, I), then y = hq @ w_down (m, H) in bf16. Operands
+// e4m3, each with f32 block scales: xq (m, H) and hq (m, I) in 1 x 128 blocks along their
+// reduction, the scales of block b of row r at b * pitch + r (GatherQuantizeKernel writes xq's,
+// the gate|up epilogue hq's); the weights transposed, K-major as e4m3 wgmma reads them: w_gate,
+// w_up (groups, I, H) and w_down (groups, H, I), with the 128 x 128 block scales of the weights
+// as they are, (groups, H / 128, I / 128) and (groups, I / 128, H / 128). No gu is kept: the
+// FP8 layer's backward is the XLA reference's.
+struct ExpertMlpFp8 {
+  const void* xq;
+  const float* xq_scale;
+  int64_t xq_pitch;
+  const void *w_gate, *w_up, *w_down;
+  const float *gate_scale, *up_scale, *down_scale;
+  const int32_t* offsets;
+  int block_m;
+  int groups;
+  int64_t m, H, I;
+  void* hq;
+  float* hq_scale;
+  int64_t hq_pitch;
+  void* y;
+  int ready_base;
+  int64_t m_expected;
+};
+
+// LaunchExpertMlps for FP8 MLPs (the routed one, and at most a shared one without groups),
+// gate|up then down in one launch.
+const char* LaunchExpertMlpsFp8(const ExpertMlpFp8* mlps, int count, int32_t* counter,
+                                int32_t* ready, cudaStream_t stream);
+
 }  // namespace mok::sm90

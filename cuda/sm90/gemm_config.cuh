@@ -71,14 +71,23 @@ enum class Schedule {
 };
 
 // The compile-time shape of one GEMM: operand majors (K: the reduction is contiguous in
-// memory; MN: the other dimension is), epilogue, schedule.
+// memory; MN: the other dimension is), epilogue, schedule, operand type.
 template <cute::GMMA::Major kMajorA_, cute::GMMA::Major kMajorB_, Epilogue kEpi_,
-          Schedule kSched_, bool kRuns_ = false>
+          Schedule kSched_, bool kRuns_ = false, bool kFp8_ = false>
 struct GemmKind {
   static constexpr cute::GMMA::Major kMajorA = kMajorA_;
   static constexpr cute::GMMA::Major kMajorB = kMajorB_;
   static constexpr Epilogue kEpi = kEpi_;
   static constexpr Schedule kSched = kSched_;
+  // Block-scaled e4m3 operands (Config(precision="fp8"), quantize.cuh): A in 1 x 128 blocks
+  // along K, B in 128 x 128 blocks, both K-major (e4m3 wgmma reads no other major). A k-step
+  // is one 128-deep block: its partial products leave the tensor cores each k-step and are
+  // added in f32 with their two scales (MmaTileFp8). The forward's GEMMs only, row-grouped,
+  // without tails, split tiles or clusters (their stages hold whole tiles).
+  static constexpr bool kFp8 = kFp8_;
+  static_assert(!kFp8_ || (kMajorA_ == cute::GMMA::Major::K && kMajorB_ == cute::GMMA::Major::K &&
+                           kSched_ == Schedule::kRowsByGroup && kEpi_ != Epilogue::kSwiGLUBwd),
+                "FP8 GEMMs are the forward's: K-major, row-grouped");
   // kGroupedK only: the queue hands out runs of tiles (ChainParams::run_tiles) whose tiles of
   // one column tile load B's k-tiles once (GemmTile::keep_b); a kernel of its own, so that the
   // launches without runs keep the ring and register split that measured faster for them.
@@ -113,19 +122,23 @@ struct GemmKind {
   // weight-gradient launch takes about 5% less back to back on an H200 (docs/performance.md, The
   // weight gradients in runs). Loading a last k-step of at most 32 rows as one 32-deep box a
   // panel, so that no padding rows are loaded, is slower: more TMA boxes a tile.
-  static constexpr int kBlockK = kTmaStore && !kRuns_ ? 32 : 64;
+  static constexpr int kBlockK = kFp8_ ? 128 : kTmaStore && !kRuns_ ? 32 : 64;
   static constexpr int kStages = kTmaStore ? (kRuns_ ? 3 : 6) : 4;
-  static_assert(kBlockK == 64 || (!kKMajorA && !kKMajorB),
-                "K-major stages are 128-byte swizzled rows: 64 deep");
+  // Bytes of one operand element; an FP8 k-step is 128 of them deep, the same 128-byte rows.
+  static constexpr int kElemBytes = kFp8_ ? 1 : 2;
+  static_assert(kBlockK * kElemBytes == 128 || (!kKMajorA && !kKMajorB),
+                "K-major stages are 128-byte swizzled rows");
+  // FP8: A's stage also holds the 128 rows' scales of its k-block (f32).
+  static constexpr uint32_t kAScaleBytes = kFp8_ ? GemmConfig::kBlockM * sizeof(float) : 0;
   static constexpr uint32_t kStageBytes =
-      (GemmConfig::kBlockM + GemmConfig::kBlockN) * kBlockK * sizeof(__nv_bfloat16);
+      (GemmConfig::kBlockM + GemmConfig::kBlockN) * kBlockK * kElemBytes + kAScaleBytes;
   // The expert GEMMs over routed rows that store plainly (the forward's, and dx_r in the
   // backward) take a group's last rows past a multiple of 128 (its tail) into its last full row
   // tiles, kTailRows a tile, instead of a row tile of their own: the stage holds them beside A
   // and they multiply the B already there (MmaTile, TailCount). Not the SwiGLU backward: there
   // tails are slower on three of the four bench shapes (docs/performance.md).
   static constexpr bool kTail = kSched_ == Schedule::kRowsByGroup && kKMajorA &&
-                                kEpi_ != Epilogue::kSwiGLUBwd;
+                                kEpi_ != Epilogue::kSwiGLUBwd && !kFp8_;
 };
 
 // The rows of a group's tail that ride in one full row tile (four stages of them fit beside
@@ -155,6 +168,9 @@ struct GemmParams {
   CUtensorMap o0;
   CUtensorMap o1;
   CUtensorMap a_tail;       // kTail: A in boxes of kTailRows rows
+  // kFp8: A's scales, (blocks of K, rows) f32 read in (128 rows, 1) boxes (GatherQuantizeKernel
+  // and the FP8 SwiGLU epilogue write them so).
+  CUtensorMap a_scale;
   const int32_t* offsets;   // (groups + 1) first routed row of each group, multiples of
                             // block_m; null: one group of m_total rows
   // kGroupedK with offsets: each routed row's token, -1 for the padding rows that end each
@@ -184,6 +200,14 @@ struct GemmParams {
   const float* row_scale;   // kSwiGLUBwd: the weight of each route (row_tokens), or null: 1
   float* dw_parts;          // kSwiGLUBwd with row_scale: (m_total, dw_part_cols) f32
   int dw_part_cols;         // ceil(n / 128)
+  // kFp8: B's 128 x 128 block scales, (groups, k / 128, n / 128) f32 as quantize_experts has
+  // them (kSwiGLU: w_gate's in b_scale0, w_up's in b_scale1).
+  const float* b_scale0;
+  const float* b_scale1;
+  // kFp8 kSwiGLU: h goes to out1 in e4m3, its scales (n / 128, rows) to h_scale with pitch
+  // h_scale_pitch (the down GEMM's a_scale).
+  float* h_scale;
+  int64_t h_scale_pitch;
 };
 
 // Whether a GEMM of `Kind` reads b1: kSwiGLU's w_up, or a K-major B past k_split. The host

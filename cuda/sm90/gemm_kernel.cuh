@@ -145,16 +145,18 @@ __device__ __forceinline__ const int32_t* ChainPrologue(const ChainParams& c,
         constexpr int kSlot = decltype(s)::value;
         const GemmParams& p = c.gemm[kSlot];
         if (p.n_tiles == 0) return;
-        const bool uses_b1 = UsesB1<SlotKind<Kind0, Kind1, kSlot>>(p);
+        using Kind = SlotKind<Kind0, Kind1, kSlot>;
+        const bool uses_b1 = UsesB1<Kind>(p);
         PrefetchTmaDescriptor(&p.a);
         PrefetchTmaDescriptor(&p.b0);
         if (uses_b1) PrefetchTmaDescriptor(&p.b1);
-        if (kSched == Schedule::kRowsByGroup) {
+        if constexpr (Kind::kFp8) {
+          PrefetchTmaDescriptor(&p.a_scale);
+        } else if (kSched == Schedule::kRowsByGroup) {
           PrefetchTmaDescriptor(&p.a_half);
           PrefetchTmaDescriptor(&p.b0_half);
           if (uses_b1) PrefetchTmaDescriptor(&p.b1_half);
         }
-        using Kind = SlotKind<Kind0, Kind1, kSlot>;
         if constexpr (Kind::kStoresByTma) {
           if (p.out0) PrefetchTmaDescriptor(&p.o0);
           if (Kind::kEpi == Epilogue::kSwiGLU || p.n > p.n_split) PrefetchTmaDescriptor(&p.o1);
@@ -319,8 +321,12 @@ __device__ __forceinline__ void RunScheduler(const ChainParams& c, ChainStorage<
         WaitAtLeast(c.ready + c.wait_base[kSlot] + tile.row_tile, c.wait_count[kSlot]);
         FenceProxyAsyncGlobal();
       }
-      LoadTile<SlotKind<Kind0, Kind1, kSlot>, kClusterM>(c.gemm[kSlot], tile, smem,
-                                                         static_cast<int>(rank), it);
+      using Kind = SlotKind<Kind0, Kind1, kSlot>;
+      if constexpr (Kind::kFp8) {
+        LoadTileFp8<Kind>(c.gemm[kSlot], tile, smem, it);
+      } else {
+        LoadTile<Kind, kClusterM>(c.gemm[kSlot], tile, smem, static_cast<int>(rank), it);
+      }
     });
   }
 }
@@ -464,6 +470,53 @@ __device__ __forceinline__ void RunConsumer(const ChainParams& c, ChainStorage<K
   }
 }
 
+// RunConsumer for FP8 chains (GemmKind::kFp8): each handed-over tile's MMAs with its block
+// scales (MmaTileFp8) and its epilogue, then publishing its rows as RunConsumer does. FP8 tiles
+// carry no tails and are never split or clustered.
+template <class Kind0, class Kind1, int kSlots>
+__device__ __forceinline__ void RunConsumerFp8(const ChainParams& c, ChainStorage<Kind0> st,
+                                               uint32_t& it) {
+  using C = GemmConfig;
+  constexpr int kConsumerThreads = 128 * C::kConsumerWarpgroups;
+  static_assert(Kind0::kFp8 && Kind1::kFp8, "an FP8 chain's GEMMs are all FP8");
+  auto& smem = st.smem;
+  ChainSmem& cs = st.cs;
+  const int thread = threadIdx.x - 128;
+  const int wg = thread / 128;
+#pragma unroll 1
+  for (uint32_t j = 0;; ++j) {
+    const int slot = j % kTileSlots;
+    BarrierWaitLean(&cs.slot_full[slot], (j / kTileSlots) & 1);
+    const int i = cs.slot_chain[slot];
+    const GemmTile tile = cs.slot_tile[slot];
+    BarrierArrive(&cs.slot_empty[slot]);
+    if (i < 0) break;
+    Fp8BScales scales;
+    WithSlot<kSlots>(i, [&](auto s) __attribute__((always_inline)) {
+      constexpr int kSlot = decltype(s)::value;
+      scales = Fp8BScalesOf<SlotKind<Kind0, Kind1, kSlot>>(c.gemm[kSlot], tile);
+    });
+    auto acc = cute::partition_fragment_C(
+        typename GemmLayouts<Kind0>::TiledMma{},
+        cute::Shape<cute::Int<C::kBlockM>, cute::Int<C::kBlockN>>{});
+    MmaTileFp8<Kind0>(tile, smem, thread, acc, it, scales);
+    WithSlot<kSlots>(i, [&](auto s) __attribute__((always_inline)) {
+      constexpr int kSlot = decltype(s)::value;
+      StoreTile<SlotKind<Kind0, Kind1, kSlot>>(c.gemm[kSlot], tile, smem, thread,
+                                               {tile.m0 + wg * kWarpgroupRows, 0}, acc);
+      // As RunConsumer's publish: the TMA stores complete, every thread's plain stores (the
+      // h scales) ordered before the async proxy's reads, then thread 0's release.
+      if (c.ready_base[kSlot] >= 0) {
+        if (thread % 128 == 0) BulkWaitAll();
+        FenceProxyAsyncGlobal();
+        NamedBarrierSync(1, kConsumerThreads);
+        if (thread == 0) AddRelease(c.ready + c.ready_base[kSlot] + tile.row_tile, 1);
+      }
+    });
+  }
+  if (thread % 128 == 0) BulkWaitAll();  // the staging outlives the last TMA stores' reads
+}
+
 // The tiles of the chain `c` that this CTA takes, in the role of one warpgroup, run once a
 // warpgroup has set its registers (setmaxnreg): kProducer for warpgroup 0 (its thread 0 the
 // scheduler, warps 1 and 2 the storers), else a consumer warpgroup's. The roles meet at CTA
@@ -490,6 +543,9 @@ __device__ __forceinline__ void RunChain(const ChainParams& c, uint8_t* smem_raw
     RunStorer<Kind0, kSlots>(c, st);
     if (threadIdx.x == 0)
       RunScheduler<Kind0, Kind1, kSlots, kClusterM>(c, st, tile_start, rank, it);
+  } else if constexpr (Kind0::kFp8) {
+    static_assert(kClusterM == 1, "FP8 tiles run one CTA a tile");
+    RunConsumerFp8<Kind0, Kind1, kSlots>(c, st, it);
   } else {
     RunConsumer<Kind0, Kind1, kSlots, kClusterM>(c, st, it);
   }

@@ -105,6 +105,45 @@ const char* PrepareGemm(GemmParams& p, const Matrix& a, const Matrix& b0, const 
   return nullptr;
 }
 
+// PrepareGemm for an FP8 GEMM (GemmKind::kFp8): A e4m3 (rows, k) with its block scales
+// (a_scale, blocks of k by a_pitch, MakeScaleMap); B^T e4m3 (groups * n, k) in b0 (kSwiGLU:
+// w_gate^T, and w_up^T in b1), K-major both, read in (128 bytes, rows) boxes; its scales and
+// (kSwiGLU) h's go in p's b_scale0, b_scale1, h_scale. Outputs: kSwiGLU h in e4m3 (out1),
+// kStore one bf16 output (out0).
+template <class Kind>
+const char* PrepareGemmFp8(GemmParams& p, const Matrix& a, const float* a_scale, int64_t a_pitch,
+                           const Matrix& b0, const Matrix& b1) {
+  static_assert(Kind::kFp8 && Kind::kSched == Schedule::kRowsByGroup);
+  using C = GemmConfig;
+  constexpr bool kSwiGLU = Kind::kEpi == Epilogue::kSwiGLU;
+  constexpr auto kU8 = CU_TENSOR_MAP_DATA_TYPE_UINT8;
+  constexpr auto kSw128 = CU_TENSOR_MAP_SWIZZLE_128B;
+  if (p.k % kFp8Block || p.n % kFp8Block || p.k != a.inner || p.k != b0.inner)
+    return "an FP8 GEMM's k and n must be multiples of 128, k the operands' inner size";
+  if (p.n_split != p.n || p.k_split != p.k) return "an FP8 GEMM has one B and one output";
+  const uint32_t b_rows = kSwiGLU ? C::kBlockN / 2 : C::kBlockN;
+  if (!MakeTensorMap(&p.a, a.base, a.inner, a.rows, kFp8Block, C::kBlockM, kSw128, kU8) ||
+      !MakeScaleMap(&p.a_scale, a_scale, a.rows, a_pitch, p.k / kFp8Block) ||
+      !MakeTensorMap(&p.b0, b0.base, b0.inner, b0.rows, kFp8Block, b_rows, kSw128, kU8) ||
+      (kSwiGLU && !MakeTensorMap(&p.b1, b1.base, b1.inner, b1.rows, kFp8Block, b_rows, kSw128,
+                                 kU8)))
+    return "cuTensorMapEncodeTiled refused an FP8 GEMM operand";
+  const bool out_ok =
+      kSwiGLU ? MakeTensorMap(&p.o1, p.out1, p.n, p.m_total, kFp8Block, kWarpgroupRows, kSw128,
+                              kU8)
+              : MakeTensorMap(&p.o0, p.out0, p.n, p.m_total, kStageCols, kWarpgroupRows);
+  if (!out_ok) return "cuTensorMapEncodeTiled refused an FP8 GEMM output";
+  if (!p.b_scale0 || (kSwiGLU && (!p.b_scale1 || !p.h_scale)))
+    return "an FP8 GEMM needs its B scales (and kSwiGLU h's)";
+  p.n_tiles = static_cast<int>(CeilDiv(p.n, kSwiGLU ? C::kBlockN / 2 : C::kBlockN));
+  if (p.offsets && p.groups > C::kMaxGroups) return "too many groups for one grouped GEMM";
+  if (p.offsets && p.block_m != 64 && p.block_m != C::kBlockM) return "block_m must be 64 or 128";
+  p.tiles = LinearTiles<Kind::kSched>(p);
+  p.raster_rows = kRasterRows;
+  p.max_tails = 0;
+  return nullptr;
+}
+
 inline const char* SmCount(int* sms) {
   int device = 0;
   if (auto err = Check(cudaGetDevice(&device))) return err;
@@ -212,7 +251,7 @@ const char* LaunchQueued(const ChainParams& c, cudaStream_t stream) {
   if (auto err = SmCount(&sms)) return err;
   // A unit of two tiles holds at least one: `tiles` bounds the units too. Only row-grouped
   // GEMMs run in clusters (a weight-gradient chain launched alone would not compile else).
-  if constexpr (Kind0::kSched == Schedule::kRowsByGroup) {
+  if constexpr (Kind0::kSched == Schedule::kRowsByGroup && !Kind0::kFp8) {
     if (UseClusters(c))
       return LaunchChain<Kind0, Kind1, kMaxChain, 2>(c, std::min<int64_t>(tiles, sms), stream);
   }
@@ -233,6 +272,10 @@ using cute::GMMA::Major;
 // Forward: gu, h = SwiGLU(x_rows @ [w_gate | w_up]); y_routed = h @ w_down.
 using FwdGateUp = GemmKind<Major::K, Major::MN, Epilogue::kSwiGLU, Schedule::kRowsByGroup>;
 using FwdDown = GemmKind<Major::K, Major::MN, Epilogue::kStore, Schedule::kRowsByGroup>;
+// The same in block-scaled e4m3 (Config(precision="fp8")): B is w_gate^T | w_up^T and w_down^T.
+using FwdGateUpFp8 =
+    GemmKind<Major::K, Major::K, Epilogue::kSwiGLU, Schedule::kRowsByGroup, false, true>;
+using FwdDownFp8 = GemmKind<Major::K, Major::K, Epilogue::kStore, Schedule::kRowsByGroup, false, true>;
 // Backward data gradients: dgu, h = SwiGLU'(dy_r @ w_down^T); dx_r = dgu @ [w_gate | w_up]^T.
 using BwdDown = GemmKind<Major::K, Major::K, Epilogue::kSwiGLUBwd, Schedule::kRowsByGroup>;
 using BwdGateUp = GemmKind<Major::K, Major::K, Epilogue::kStore, Schedule::kRowsByGroup>;

@@ -8,15 +8,17 @@
 
 #include "gemm_config.cuh"
 #include "ptx.cuh"
+#include "quantize.cuh"
 #include "tile_scheduler.cuh"
 
 namespace mok::sm90 {
 
 using bf16_t = cute::bfloat16_t;
+using e4m3_t = cute::float_e4m3_t;
 
-template <int kRows, int kBlockK, int kStages>
+template <int kRows, int kBlockK, int kStages, class Elem = bf16_t>
 using StagedK = decltype(cute::tile_to_shape(
-    cute::GMMA::Layout_K_SW128_Atom<bf16_t>{},
+    cute::GMMA::Layout_K_SW128_Atom<Elem>{},
     cute::Shape<cute::Int<kRows>, cute::Int<kBlockK>, cute::Int<kStages>>{}));
 // MN-major operands: atoms ordered K first, so that each group of 64 MN-columns is one
 // contiguous (64 MN, kBlockK) panel, as MakePanelMap's boxes write them.
@@ -38,7 +40,7 @@ struct Staged<true, kRows, kBlockK, kStages> {
 
 // Shared-memory layouts (BM|BN, BK, PIPE) and the MMA of a GemmKind. K-major stages hold
 // 128-byte swizzled rows, as a (64, rows) TMA box writes them.
-template <class Kind>
+template <class Kind, bool kFp8 = Kind::kFp8>
 struct GemmLayouts {
   using SmemA = typename Staged<Kind::kKMajorA, GemmConfig::kBlockM, Kind::kBlockK,
                                 Kind::kStages>::type;
@@ -48,6 +50,19 @@ struct GemmLayouts {
   using TiledMma = decltype(cute::make_tiled_mma(
       cute::SM90_64x256x16_F32BF16BF16_SS<Kind::kMajorA, Kind::kMajorB>{},
       cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
+};
+
+// FP8 (kFp8): e4m3 stages 128 deep, (128 bytes, rows) TMA boxes. TiledMma here only shapes the
+// f32 accumulators of the whole tile, whose values sit as the bf16 kernels' do (what the
+// epilogues expect); the MMAs themselves are a warpgroup's 64 x 128 halves (MmaTileFp8).
+template <class Kind>
+struct GemmLayouts<Kind, true> {
+  using SmemA = StagedK<GemmConfig::kBlockM, Kind::kBlockK, Kind::kStages, e4m3_t>;
+  using SmemB = StagedK<GemmConfig::kBlockN, Kind::kBlockK, Kind::kStages, e4m3_t>;
+  using TiledMma = decltype(cute::make_tiled_mma(
+      cute::SM90_64x256x32_F32E4M3E4M3_SS_TN<>{},
+      cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
+  using HalfMma = decltype(cute::make_tiled_mma(cute::SM90_64x128x32_F32E4M3E4M3_SS_TN<>{}));
 };
 
 // Epilogue staging, per consumer warpgroup: one (64, 64) bf16 tile, written and copied out once
@@ -74,13 +89,37 @@ struct alignas(1024) GemmSmem {
   uint64_t full[kStages];   // TMA bytes landed
   uint64_t empty[kStages];  // both consumer warpgroups done reading
 };
+// FP8 (kFp8): e4m3 stages, each with its k-block's scales of A's 128 rows; the staging (64
+// rows x 128 bytes a warpgroup) takes y's bf16 columns (kStore) or h's e4m3 (kSwiGLU).
+template <int kStages>
+struct alignas(1024) GemmSmemFp8 {
+  e4m3_t a[kStages][GemmConfig::kBlockM * kFp8Block];
+  e4m3_t b[kStages][GemmConfig::kBlockN * kFp8Block];
+  bf16_t stage[GemmConfig::kConsumerWarpgroups][kWarpgroupRows * kStageCols];
+  float a_scale[kStages][GemmConfig::kBlockM];  // 512 bytes: TMA's 16-byte alignment holds
+  int32_t offsets[GemmConfig::kMaxGroups + 1];
+  int32_t tile_start[GemmConfig::kMaxGroups + 1];
+  int32_t used_end[GemmConfig::kMaxGroups];
+  uint64_t full[kStages];
+  uint64_t empty[kStages];
+};
+
+template <class Kind, bool kFp8 = Kind::kFp8>
+struct GemmSmemFor {
+  using type =
+      GemmSmem<Kind::kStages, Kind::kBlockK,
+               kWarpgroupRows * (Kind::kTmaStore ? GemmConfig::kBlockN
+                                 : Kind::kEpi == Epilogue::kSwiGLUBwd ? kSwiGLUBwdStageCols
+                                                                      : kStageCols),
+               Kind::kTail ? kTailRows * Kind::kBlockK : 8>;
+};
 template <class Kind>
-using GemmSmemOf =
-    GemmSmem<Kind::kStages, Kind::kBlockK,
-             kWarpgroupRows * (Kind::kTmaStore ? GemmConfig::kBlockN
-                               : Kind::kEpi == Epilogue::kSwiGLUBwd ? kSwiGLUBwdStageCols
-                                                                    : kStageCols),
-             Kind::kTail ? kTailRows * Kind::kBlockK : 8>;
+struct GemmSmemFor<Kind, true> {
+  static_assert(Kind::kBlockK == kFp8Block);
+  using type = GemmSmemFp8<Kind::kStages>;
+};
+template <class Kind>
+using GemmSmemOf = typename GemmSmemFor<Kind>::type;
 
 // Where a k-step's stage is and which phase of its barriers comes next. The row-grouped GEMMs
 // walk the stages as a ring: `it` (uint32_t) counts the k-steps of all earlier tiles of this
@@ -448,6 +487,128 @@ __device__ __forceinline__ void MmaTileSplit(const GemmTile& tile, Smem& smem, i
   Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB_part));
   MmaSteps<Kind, kClusterM, Kind::kBlockK / 16>(mma, tCrA, tCrB, smem, tile.num_k, false,
                                                 wg_thread == 0, acc, it, extra);
+}
+
+// FP8 (kFp8) -----------------------------------------------------------------------------------
+
+// Producer: A's k-block (128 bytes, 128 rows) and its 128 row scales, then B's: kSwiGLU's 128
+// rows of w_gate^T and the same rows of w_up^T (its column tile's gate and up columns), else
+// 256 rows of B^T. Each tile loads whole stages: FP8 tiles are never split (the epilogues
+// leave out the rows and columns past the tile's).
+template <class Kind, class Smem>
+__device__ __forceinline__ void LoadTileFp8(const GemmParams& p, const GemmTile& tile, Smem& smem,
+                                            uint32_t& it) {
+  static_assert(Kind::kFp8);
+  using C = GemmConfig;
+  constexpr bool kSwiGLU = Kind::kEpi == Epilogue::kSwiGLU;
+  constexpr int kBRows = kSwiGLU ? C::kBlockN / 2 : C::kBlockN;
+  const auto m0 = static_cast<int32_t>(tile.m0);
+  const auto b_row = static_cast<int32_t>(int64_t{tile.group} * p.n + int64_t{tile.n_tile} * kBRows);
+  for (int kt = 0; kt < tile.num_k; ++kt) {
+    const int s = StageOf<Kind>(it, kt, false);
+    const int kk = kt * Kind::kBlockK;
+    BarrierWait(&smem.empty[s], PhaseOf<Kind>(it, s) ^ 1);  // the first use finds it free
+    Advance<Kind>(it, s, false);
+    BarrierArriveExpectTx(&smem.full[s], Kind::kStageBytes);
+    TmaLoad2d(smem.a[s], &p.a, &smem.full[s], kk, m0);
+    TmaLoad2d(smem.a_scale[s], &p.a_scale, &smem.full[s], m0, kt);
+    TmaLoad2d(smem.b[s], &p.b0, &smem.full[s], kk, b_row);
+    if constexpr (kSwiGLU) {
+      TmaLoad2d(smem.b[s] + kBRows * Kind::kBlockK, &p.b1, &smem.full[s], kk, b_row);
+    }
+  }
+}
+
+// The B scales of one FP8 tile: for each 128-column half of the tile, where its block's scale
+// of k-block 0 is (null: the half is past n, its columns never stored), and the step between
+// k-blocks. kSwiGLU's halves are the gate and up columns of the tile's one block of n.
+struct Fp8BScales {
+  const float* half[2];
+  int k_stride;
+};
+
+template <class Kind>
+__device__ __forceinline__ Fp8BScales Fp8BScalesOf(const GemmParams& p, const GemmTile& tile) {
+  const int n_blocks = p.n / kFp8Block, k_blocks = p.k / kFp8Block;
+  const int64_t group = int64_t{tile.group} * k_blocks * n_blocks;
+  Fp8BScales s;
+  s.k_stride = n_blocks;
+  if constexpr (Kind::kEpi == Epilogue::kSwiGLU) {
+    s.half[0] = p.b_scale0 + group + tile.n_tile;
+    s.half[1] = p.b_scale1 + group + tile.n_tile;
+  } else {
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const int block = 2 * tile.n_tile + h;
+      s.half[h] = block < n_blocks ? p.b_scale0 + group + block : nullptr;
+    }
+  }
+  return s;
+}
+
+// Consumers: the (128, 256) FP8 tile into acc, f32, each warpgroup its 64 rows. Each k-step
+// (a 128-deep block of K) multiplies one 128-column half of B at a time into `part` (four
+// wgmma m64n128k32, started from zero), waits for them, and adds part times its rows' A scale
+// and the half's B scale into acc: the tensor cores' e4m3 sums keep fewer bits than f32, so
+// they run over 128 of K at most (DeepSeek-V3's promotion). Both halves at once would need 128
+// more accumulator registers than the 232 a consumer has. acc's values sit as a 64 x 256
+// wgmma accumulator's (value 64 h + v is the half's value v).
+template <class Kind, class Smem, class Accum>
+__device__ __forceinline__ void MmaTileFp8(const GemmTile& tile, Smem& smem, int thread,
+                                           Accum& acc, uint32_t& it, const Fp8BScales& scales) {
+  using namespace cute;
+  using L = GemmLayouts<Kind>;
+  const int wg = thread / 128, wg_thread = thread % 128;
+  Tensor sA = make_tensor(make_smem_ptr(&smem.a[0][0]), typename L::SmemA{});  // (BM, BK, PIPE)
+  Tensor sB = make_tensor(make_smem_ptr(&smem.b[0][0]), typename L::SmemB{});  // (BN, BK, PIPE)
+  // (64, BK, PIPE) of A, (128, BK, PIPE) of B: whole swizzle atoms (8 rows) of the stages.
+  Tensor sA_wg = logical_divide(sA, make_tile(Layout<_64>{}))(make_coord(_, wg), _, _);
+  auto sB_half = [&](int h) {
+    return logical_divide(sB, make_tile(Layout<_128>{}))(make_coord(_, h), _, _);
+  };
+  typename L::HalfMma mma;
+  auto thr = mma.get_thread_slice(wg_thread);
+  Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA_wg));    // (MMA, MMA_M, MMA_K, PIPE)
+  Tensor tCrB0 = thr.make_fragment_B(thr.partition_B(sB_half(0)));  // (MMA, MMA_N, MMA_K, PIPE)
+  Tensor tCrB1 = thr.make_fragment_B(thr.partition_B(sB_half(1)));
+  auto part = partition_fragment_C(mma, Shape<_64, _128>{});
+  constexpr int kK32 = Kind::kBlockK / 32;
+  static_assert(decltype(size(part))::value * 2 == decltype(size(acc))::value);
+  // This thread's rows of the warpgroup's 64: r0 and r0 + 8 (the wgmma D layout).
+  const int r0 = wg_thread / 32 * 16 + wg_thread % 32 / 4;
+  clear(acc);
+  for (int kt = 0; kt < tile.num_k; ++kt) {
+    const int s = StageOf<Kind>(it, kt, false);
+    // The B scales come from global memory (L1 after the first tile), in flight meanwhile.
+    float b_scale[2];
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h)
+      b_scale[h] = scales.half[h] ? __ldg(scales.half[h] + int64_t{kt} * scales.k_stride) : 0.0f;
+    BarrierWait(&smem.full[s], PhaseOf<Kind>(it, s));
+    Advance<Kind>(it, s, false);
+    const uint32_t a_scale_at = SmemAddr(&smem.a_scale[s][wg * 64 + r0]);
+    const float a_scale[2] = {__uint_as_float(LoadShared32(a_scale_at)),
+                              __uint_as_float(LoadShared32(a_scale_at + 8 * sizeof(float)))};
+    auto half = [&](const auto& tCrB, int h) __attribute__((always_inline)) {
+      warpgroup_fence_operand(part);
+      warpgroup_arrive();
+      CUTE_UNROLL
+      for (int kb = 0; kb < kK32; ++kb) {
+        mma.accumulate_ = kb == 0 ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+        gemm(mma, tCrA(_, _, kb, s), tCrB(_, _, kb, s), part);
+      }
+      warpgroup_commit_batch();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(part);
+      const float scale[2] = {a_scale[0] * b_scale[h], a_scale[1] * b_scale[h]};
+      CUTE_UNROLL
+      for (int v = 0; v < size(part); ++v)
+        acc(size(part) * h + v) = fmaf(part(v), scale[(v >> 1) & 1], acc(size(part) * h + v));
+    };
+    half(tCrB0, 0);
+    half(tCrB1, 1);
+    if (wg_thread == 0) BarrierArrive(&smem.empty[s]);  // both halves have read the stage
+  }
 }
 
 }  // namespace mok::sm90

@@ -34,17 +34,35 @@ PFN_cuTensorMapEncodeTiled_v12000 EncodeTiled() {
 }  // namespace
 
 bool MakeTensorMap(CUtensorMap* map, const void* base, uint64_t inner, uint64_t rows,
-                   uint32_t box_inner, uint32_t box_rows, CUtensorMapSwizzle swizzle) {
+                   uint32_t box_inner, uint32_t box_rows, CUtensorMapSwizzle swizzle,
+                   CUtensorMapDataType dtype) {
   auto encode = EncodeTiled();
   if (!encode || rows == 0 || inner == 0) return false;
+  const uint64_t bytes = dtype == CU_TENSOR_MAP_DATA_TYPE_UINT8 ? 1 : 2;  // or bf16
+  if (dtype != CU_TENSOR_MAP_DATA_TYPE_UINT8 && dtype != CU_TENSOR_MAP_DATA_TYPE_BFLOAT16)
+    return false;
   cuuint64_t dims[2] = {inner, rows};
-  cuuint64_t strides[1] = {inner * 2};  // bytes between rows
+  cuuint64_t strides[1] = {inner * bytes};  // bytes between rows
   cuuint32_t box[2] = {box_inner, box_rows};
   cuuint32_t element_strides[2] = {1, 1};
-  return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides,
+  return encode(map, dtype, 2, const_cast<void*>(base), dims, strides,
                 box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
                 swizzle, kPromotion,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+bool MakeScaleMap(CUtensorMap* map, const float* base, uint64_t rows, uint64_t pitch,
+                  uint64_t blocks) {
+  constexpr uint32_t kBoxRows = 128;  // a GEMM tile's rows
+  auto encode = EncodeTiled();
+  if (!encode || rows == 0 || blocks == 0 || pitch < rows || pitch % 4 != 0) return false;
+  cuuint64_t dims[2] = {rows, blocks};
+  cuuint64_t strides[1] = {pitch * sizeof(float)};  // bytes between blocks: 16-byte multiples
+  cuuint32_t box[2] = {kBoxRows, 1};
+  cuuint32_t element_strides[2] = {1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, const_cast<float*>(base), dims, strides,
+                box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                kPromotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 bool MakePanelMap(CUtensorMap* map, const void* base, uint64_t inner, uint64_t rows,
