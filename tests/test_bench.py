@@ -181,8 +181,8 @@ def test_report_rerenders_a_file(tiny_run, tmp_path):
 
 
 def _isolated_runner(tmp_path, timeout_s=120.0):
-  knobs = dict(seed=0, skew=0.0, ep=1, sets=1, warmup=0, warmup_s=0.0, reps=1,
-               min_reps=1, budget_s=1.0, peak_n=8, peak_warmup_s=0.0)
+  knobs = dict(seed=0, skew=0.0, ep=1, ep_transport="auto", sets=1, warmup=0, warmup_s=0.0,
+               reps=1, min_reps=1, budget_s=1.0, peak_n=8, peak_warmup_s=0.0)
   opts = runner.Options(shapes=list(shapes.TINY), impls="xla", modes=list(shapes.MODES),
                         knobs=knobs, mode_timeout_s=timeout_s, log_dir=str(tmp_path))
   return opts, runner.make_job(opts, "mok_jax:xla", shapes.TINY[0])
@@ -549,7 +549,7 @@ def test_tiny_expert_parallel(tmp_path):
     assert r["status"] == "ok" and r["ep"] == 2 and r["ms"]["median"] > 0, r
     # f32 on a CPU, whose blocks go whole: T k rows to the one other device
     assert r["ep_bytes"]["fwd"] == T * k * (2 * H * 4 + 8)
-    assert r["ep_bytes"]["all_gather_fwd"] == T * (H * 4 + 8 * k) + T * H * 4
+    assert r["ep_bytes"]["fwd+bwd"] == T * k * (2 * H * 4 + 8) + T * k * (2 * H * 4 + 4)
     peer = rows["jax.ragged_dot", mode]
     assert peer["status"] == "unavailable" and "no expert parallelism" in peer["reason"]
   assert "expert parallelism over 2 devices" in proc.stdout

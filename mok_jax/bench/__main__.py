@@ -31,9 +31,8 @@ def parse_args(argv):
   add("--modes", default=",".join(shapes.MODES), help="fwd, fwd+bwd or both")
   add("--ep", type=int, default=1, metavar="N", help="mok_jax's expert parallelism over N "
       "devices, E / N experts and the shape's T a device (on a CPU: N host devices)")
-  add("--ep-transport", default="auto", choices=("auto", "collective", "nvlink"),
-      help="Config.ep_transport of mok_jax's layer; other than auto, the routed layer runs even "
-      "at --ep 1 (its transport's cost beside the fused call)")
+  add("--ep-transport", default="auto", choices=("auto", "collective", "nvlink"), help="its "
+      "Config.ep_transport; not auto: the routed layer even at --ep 1 (the transport's cost)")
   add("--seed", type=int, default=0)
   add("--reps", type=int, help="timed calls a mode (default 20; tiny 3)")
   add("--budget-s", type=float, help="seconds of them before --reps is cut (default 3; tiny 1)")
@@ -49,9 +48,8 @@ def parse_args(argv):
   elif not args.report and os.path.exists(args.out):
     p.error(f"--out {args.out} exists: each run writes a file of its own")
   args.knobs = {name: tiny if args.tiny else full for name, (full, tiny) in KNOBS.items()}
-  args.knobs.update({k: v for k, v in (("reps", args.reps), ("budget_s", args.budget_s))
-                     if v is not None}, seed=args.seed, skew=args.skew, ep=args.ep,
-                    ep_transport=args.ep_transport)
+  args.knobs.update({k: v for k in ("reps", "budget_s") if (v := getattr(args, k)) is not None},
+                    **{k: getattr(args, k) for k in ("seed", "skew", "ep", "ep_transport")})
   args.modes = [m for m in args.modes.split(",") if m]
   if not args.modes or not set(args.modes) <= set(shapes.MODES):
     p.error(f"--modes takes {', '.join(shapes.MODES)}")

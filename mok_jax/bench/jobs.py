@@ -89,9 +89,7 @@ def _peak(job: dict):
 def ep_bytes(shape: Shape, ep: int, b: int, experts, ragged: bool) -> dict:
   """Bytes a device sends the others a call under --ep, the mean over devices: token rows, ids
   and weights out, route outputs back; then dy out, dx and dweights back. ragged (GPUs): only
-  its routes to other devices' experts; else (XLA:CPU) whole blocks of T k rows to each.
-  all_gather_*: what the all-gather design that the routed layer replaced would move, every
-  token row to every device and f32 partial outputs reduce-scattered (dy and dx alike)."""
+  its routes to other devices' experts; else (XLA:CPU) whole blocks of T k rows to each."""
   T, H, k = shape.T, shape.H, shape.k
   if ragged:  # the rows the layer's own send layout puts in the other devices' blocks
     ids = np.asarray(experts).reshape(ep, T, k)
@@ -101,9 +99,7 @@ def ep_bytes(shape: Shape, ep: int, b: int, experts, ragged: bool) -> dict:
   else:
     rows = (ep - 1) * T * k
   fwd = rows * (2 * H * b + 8)
-  gather = (ep - 1) * T * (H * b + 8 * k) + (ep - 1) * T * H * 4
-  return {"fwd": fwd, "fwd+bwd": fwd + rows * (2 * H * b + 4),
-          "all_gather_fwd": gather, "all_gather_fwd+bwd": gather + 2 * (ep - 1) * T * H * 4}
+  return {"fwd": fwd, "fwd+bwd": fwd + rows * (2 * H * b + 4)}
 
 
 def _moe(job: dict):
@@ -112,7 +108,7 @@ def _moe(job: dict):
   shape, ep, modes = Shape(**job["shape"]), job["ep"], job["modes"]
   common = {"dtype": dtype}
   try:
-    layer = jax_layer(job["impl"], shape, JNP[dtype], ep, job.get("ep_transport", "auto"))
+    layer = jax_layer(job["impl"], shape, JNP[dtype], ep, job["ep_transport"])
   except Unavailable as exc:
     yield from (record(dict(mode=m, status="unavailable", reason=str(exc), **common), device)
                 for m in modes)
@@ -168,9 +164,8 @@ def jax_layer(name: str, shape: Shape, dtype, ep: int = 1, ep_transport: str = "
     dims = ops.MoeDims(shape.T, shape.H, shape.I, shape.E, shape.k, 0)
     if reason := ops.cuda_unsupported_reason(platform, dtype, dims, mok_jax.Config()):
       raise Unavailable(reason)
-  config = mok_jax.Config(ep_transport=ep_transport)
-  layer = lambda *args: mok_jax.moe(*args, backend=backend, axis_name="ep" if routed else None,
-                                    config=config)
+  layer = lambda *args: mok_jax.moe(*args, backend=backend, axis_name="ep" * routed or None,
+                                    config=mok_jax.Config(ep_transport=ep_transport))
   if not routed:
     return layer
   if len(jax.devices()) < ep:

@@ -37,7 +37,7 @@ class Options:
   shapes: list[Shape]
   impls: str  # --impls text; "" for the platform's defaults
   modes: list[str]
-  knobs: dict  # what every job gets: seed, skew, ep and timing's (__main__.KNOBS)
+  knobs: dict  # what every job gets: seed, skew, ep, ep_transport and timing's (__main__.KNOBS)
   mode_timeout_s: float
   log_dir: str  # the workers' logs
 
@@ -160,9 +160,8 @@ def run(opts: Options, on_record=lambda record: None) -> list[dict]:
   """The run's records, in the order they came, each handed to on_record as it comes."""
   t_run, now = time.perf_counter(), datetime.datetime.now(datetime.timezone.utc)
   run_id = f"{now:%Y%m%dT%H%M%SZ}-{secrets.token_hex(2)}"
-  base = {"run_id": run_id, "date": now.isoformat(timespec="seconds"), "skew": opts.knobs["skew"],
-          "ep": opts.knobs["ep"], "ep_transport": opts.knobs.get("ep_transport", "auto"),
-          "seed": opts.knobs["seed"], **describe()}
+  base = {"run_id": run_id, "date": now.isoformat(timespec="seconds"), **describe(),
+          **{k: opts.knobs[k] for k in ("skew", "ep", "ep_transport", "seed")}}
   os.makedirs(opts.log_dir, exist_ok=True)
   out, device = [], {}
   progress = lambda text: print(text, file=sys.stderr, flush=True)
