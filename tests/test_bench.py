@@ -575,7 +575,7 @@ def test_ep_transport_routes_even_one_device():
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   tiny = shapes.TINY[0]
-  (*_, w_gate, w_up, w_down, _), sets = inputs.jax_inputs(tiny, jnp.float32, 0, 0.0, 1)
+  (w_gate, w_up, w_down), sets = inputs.jax_inputs(tiny, jnp.float32, 0, 0.0, 1)
   x, experts, weights, _ = sets[0]
   y = {t: np.asarray(jax.jit(jobs.jax_layer("mok_jax:ffi", tiny, jnp.float32, 1, t))(
       x, experts, weights, w_gate, w_up, w_down)) for t in ("auto", "collective")}
@@ -586,9 +586,9 @@ def test_ep_transport_routes_even_one_device():
   assert args.knobs["ep_transport"] == "nvlink"
 
 
-@pytest.mark.parametrize("argv", [["--ep", "0"], ["--ep-transport", "ring"], ["--skew", "-1"], ["--reps", "0"],
-                                  ["--modes", "bwd"], ["--breakdown"], ["--impls", "cpp"],
-                                  ["--shapes", "qwen"]])
+@pytest.mark.parametrize("argv", [["--ep", "0"], ["--ep-transport", "ring"], ["--skew", "-1"],
+                                  ["--reps", "0"], ["--modes", "bwd"], ["--breakdown"],
+                                  ["--impls", "cpp"], ["--shapes", "qwen"]])
 def test_bad_options_are_refused(argv):
   with pytest.raises(SystemExit):
     bench_main.parse_args(["--tiny", *argv])
