@@ -47,9 +47,12 @@ ffi::ErrorOr<int> CtasOf(int device) {
   return ctas[device];
 }
 
-// The workspace of `stream`'s GPU among `handles` and its rank there, into a's ranks, rank,
-// peers, own, ctas, layout and wait bound.
-ffi::Error BindWorkspace(const char* target, cudaStream_t stream,
+// The workspace of GPU `device` (XLA's device ordinal of the call, the CUDA device ordinal
+// that Workspace.get records: local_hardware_id) among `handles` and its rank there, into a's
+// ranks, rank, peers, own, ctas, layout and wait bound. The ordinal comes from the FFI
+// context, not from the stream: under XLA's command buffers the handler runs while the stream
+// is capturing, where cudaStreamGetDevice is not permitted.
+ffi::Error BindWorkspace(const char* target, int32_t device,
                          ffi::Span<const int64_t> handles, ffi::Span<const int64_t> layout,
                          cuda::EpTransportArgs* a) {
   if (layout.size() != cuda::kEpLayoutFields)
@@ -58,10 +61,6 @@ ffi::Error BindWorkspace(const char* target, cudaStream_t stream,
                                std::to_string(layout.size()));
   int64_t* fields = reinterpret_cast<int64_t*>(&a->layout);
   for (int i = 0; i < cuda::kEpLayoutFields; ++i) fields[i] = layout.begin()[i];
-  int device = -1;
-  if (const cudaError_t err = cudaStreamGetDevice(stream, &device); err != cudaSuccess)
-    return ffi::Error::Internal(std::string(target) + ": cudaStreamGetDevice failed (" +
-                                cudaGetErrorString(err) + ")");
   cuda::WorkspaceInfo ws;
   int rank = -1;
   for (int64_t handle : handles) {
@@ -118,8 +117,9 @@ ffi::Error ReceiveDims(const char* target, ffi::AnyBuffer counts_recv, int64_t r
   return ffi::Error::Success();
 }
 
-ffi::Error EpDispatchCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer experts,
-                          ffi::AnyBuffer weights, ffi::Result<ffi::AnyBuffer> x_recv,
+ffi::Error EpDispatchCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                          ffi::AnyBuffer experts, ffi::AnyBuffer weights,
+                          ffi::Result<ffi::AnyBuffer> x_recv,
                           ffi::Result<ffi::AnyBuffer> expert_recv,
                           ffi::Result<ffi::AnyBuffer> weight_recv,
                           ffi::Result<ffi::AnyBuffer> route_recv,
@@ -159,7 +159,7 @@ ffi::Error EpDispatchCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
         CheckBuffer(kTarget, "counts_to", *counts_to, DataType::S32, {P, E_local})}) {
     if (err.failure()) return err;
   }
-  if (auto err = BindWorkspace(kTarget, stream, workspaces, layout, &a); err.failure())
+  if (auto err = BindWorkspace(kTarget, device, workspaces, layout, &a); err.failure())
     return err;
   a.x = x.untyped_data(), a.experts = experts.reinterpret_data<int32_t>();
   a.weights = weighted ? weights.reinterpret_data<float>() : nullptr;
@@ -175,8 +175,9 @@ ffi::Error EpDispatchCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
   return ffi::Error::Success();
 }
 
-ffi::Error EpCombineCuda(cudaStream_t stream, ffi::AnyBuffer rows, ffi::AnyBuffer row_weights,
-                         ffi::AnyBuffer route_recv, ffi::AnyBuffer counts_recv,
+ffi::Error EpCombineCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer rows,
+                         ffi::AnyBuffer row_weights, ffi::AnyBuffer route_recv,
+                         ffi::AnyBuffer counts_recv,
                          ffi::AnyBuffer pos, ffi::AnyBuffer weights, ffi::AnyBuffer extra,
                          ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_weights,
                          ffi::Span<const int64_t> workspaces, ffi::Span<const int64_t> layout) {
@@ -207,7 +208,7 @@ ffi::Error EpCombineCuda(cudaStream_t stream, ffi::AnyBuffer rows, ffi::AnyBuffe
                     {returned ? a.T : 0, a.k})}) {
     if (err.failure()) return err;
   }
-  if (auto err = BindWorkspace(kTarget, stream, workspaces, layout, &a); err.failure())
+  if (auto err = BindWorkspace(kTarget, device, workspaces, layout, &a); err.failure())
     return err;
   a.rows = rows.untyped_data();
   a.row_weights = returned ? row_weights.reinterpret_data<float>() : nullptr;
@@ -265,9 +266,11 @@ auto BindEpCombine(Binding binding) {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     MokEpDispatchCuda, mok::EpDispatchCuda,
-    mok::BindEpDispatch(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+    mok::BindEpDispatch(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                         .Ctx<xla::ffi::DeviceOrdinal>()),
     {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     MokEpCombineCuda, mok::EpCombineCuda,
-    mok::BindEpCombine(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+    mok::BindEpCombine(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                         .Ctx<xla::ffi::DeviceOrdinal>()),
     {xla::ffi::Traits::kCmdBufferCompatible});
