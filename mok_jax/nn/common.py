@@ -1,5 +1,6 @@
-"""What the Flax and Equinox MoE modules share: options, the layer's forward, auxiliary losses,
-the selection-bias update and the expert-parallel `shard_map` wrapper.
+"""What the Flax and Equinox MoE modules share: options and initialisers (what their
+constructors take, read from their arguments by `constructor_options`), the layer's forward,
+auxiliary losses, the selection-bias update and the expert-parallel `shard_map` wrapper.
 
 The modules only hold parameters; `forward` does the work, so both compute the same thing:
 
@@ -15,7 +16,7 @@ inside `jax.shard_map`, with the expert weights split over the expert axis.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +30,7 @@ from mok_jax.functional import BACKENDS, SCORES, placed_moe
 COMPUTE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 HIGHEST = jax.lax.Precision.HIGHEST
 
-# Defaults of the modules' initialisers, all called as init(key, shape, dtype) on 2-D
-# (fan_in, fan_out) shapes like a Dense kernel; the expert stacks call them once per expert.
+# The defaults of `Initializers`, called on 2-D (fan_in, fan_out) shapes like a Dense kernel.
 default_router_init = jax.nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
 default_kernel_init = jax.nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
 
@@ -219,7 +219,39 @@ def _check_int(name, value, low):
     raise ValueError(f"MoE: {name} must be an int >= {low}, got {value!r}")
 
 
-def init_param(opts: MoEOptions, name: str, key, init, down_init=None):
+class Initializers(NamedTuple):
+  """The layers' initialisers, each called as init(key, (fan_in, fan_out), dtype); the expert
+  stacks call theirs once per expert.
+
+  Attributes:
+    router_init: of the router (H, E).
+    kernel_init: of the gate and up matrices and, unless down_init is given, the down matrices.
+    down_init: of w_down and ws_down, or None for kernel_init.
+  """
+
+  router_init: Callable = default_router_init
+  kernel_init: Callable = default_kernel_init
+  down_init: Callable | None = None
+
+  def of(self, name: str) -> Callable:
+    """The initialiser of a parameter by `MoEOptions.param_shapes` name."""
+    if name == "router":
+      return self.router_init
+    if name in ("w_down", "ws_down") and self.down_init is not None:
+      return self.down_init
+    return self.kernel_init
+
+
+def constructor_options(args: dict) -> tuple[MoEOptions, Initializers]:
+  """The validated `MoEOptions` and the `Initializers` of a layer from its constructor's
+  arguments by name (its `locals()` on entry; other names, such as self, rngs or key, are not
+  read). Each layer writes the fields of both out as its keyword arguments, with their defaults
+  here; tests/test_nn_layers.py checks that the signatures agree with these definitions."""
+  options = MoEOptions(**{f.name: args[f.name] for f in dataclasses.fields(MoEOptions)})
+  return options, Initializers(**{name: args[name] for name in Initializers._fields})
+
+
+def init_param(opts: MoEOptions, inits: Initializers, name: str, key):
   """A parameter's initial value: 2-D inits are applied per expert for the (E, ., .) stacks;
   placed with its NamedSharding when the options have a mesh.
 
@@ -227,8 +259,7 @@ def init_param(opts: MoEOptions, name: str, key, init, down_init=None):
   under a vmap that stacks layers (nnx.vmap, eqx.filter_vmap) those keep the spec on the expert
   axis and leave the stacked axis whole, where device_put would split the stacked axis."""
   shape = opts.param_shapes()[name]
-  if name in ("w_down", "ws_down") and down_init is not None:
-    init = down_init
+  init = inits.of(name)
   if len(shape) == 3:
     keys = jax.random.split(key, shape[0])
     value = jax.vmap(lambda k: init(k, shape[1:], opts.param_dtype))(keys)

@@ -40,7 +40,8 @@ class MoE(eqx.Module):
     bias (E,) f32 with selection_bias, else None;
     options: the static `MoEOptions`.
 
-  Args: as `mok_jax.nn.flax.MoE`, with `key` (a PRNG key) in place of `rngs`.
+  Args: as `mok_jax.nn.flax.MoE` (`mok_jax.nn.common.MoEOptions` and `Initializers`), with
+  `key` (a PRNG key) in place of `rngs`.
 
   Calling it on x (..., H) returns (y (..., H) in the compute dtype, `MoEAux`).
   """
@@ -63,18 +64,12 @@ class MoE(eqx.Module):
                down_init=None, param_dtype=jnp.float32, dtype=None, backend: str = "auto",
                config=None, mesh=None, expert_axis: str | None = None,
                data_axes: tuple[str, ...] | None = None, key):
-    opts = MoEOptions(hidden_size=hidden_size, intermediate_size=intermediate_size,
-                      num_experts=num_experts, top_k=top_k, score=score, renormalize=renormalize,
-                      n_groups=n_groups, topk_groups=topk_groups,
-                      shared_intermediate_size=shared_intermediate_size,
-                      selection_bias=selection_bias, param_dtype=param_dtype, dtype=dtype,
-                      backend=backend, config=config, mesh=mesh, expert_axis=expert_axis,
-                      data_axes=data_axes)
+    # locals() is the arguments by name here, before any other local is bound.
+    opts, inits = common.constructor_options(locals())
     self.options = opts
     names = list(opts.param_shapes())
     for name, k in zip(names, jax.random.split(key, len(names))):
-      init = router_init if name == "router" else kernel_init
-      setattr(self, name, common.init_param(opts, name, k, init, down_init))
+      setattr(self, name, common.init_param(opts, inits, name, k))
     if not opts.has_shared:
       self.ws_gate = self.ws_up = self.ws_down = None
     self.bias = jnp.zeros((num_experts,), jnp.float32) if selection_bias else None

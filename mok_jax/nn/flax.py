@@ -42,10 +42,7 @@ class MoE(nnx.Module):
     hidden_size, intermediate_size, num_experts, top_k, score, renormalize, n_groups,
     topk_groups, shared_intermediate_size, selection_bias, param_dtype, dtype, backend, config,
       mesh, expert_axis, data_axes: see `mok_jax.nn.common.MoEOptions`.
-    router_init: init(key, (H, E), dtype) of the router.
-    kernel_init: init(key, (fan_in, fan_out), dtype) of the gate/up matrices (each expert's
-      separately) and, unless down_init is given, of the down matrices.
-    down_init: init of w_down (per expert) and ws_down, or None for kernel_init.
+    router_init, kernel_init, down_init: see `mok_jax.nn.common.Initializers`.
     rngs: `nnx.Rngs` with a "params" stream.
 
   Calling it on x (..., H) returns (y (..., H) in the compute dtype, `MoEAux`).
@@ -59,17 +56,11 @@ class MoE(nnx.Module):
                down_init=None, param_dtype=jnp.float32, dtype=None, backend: str = "auto",
                config=None, mesh=None, expert_axis: str | None = None,
                data_axes: tuple[str, ...] | None = None, rngs: nnx.Rngs):
-    opts = MoEOptions(hidden_size=hidden_size, intermediate_size=intermediate_size,
-                      num_experts=num_experts, top_k=top_k, score=score, renormalize=renormalize,
-                      n_groups=n_groups, topk_groups=topk_groups,
-                      shared_intermediate_size=shared_intermediate_size,
-                      selection_bias=selection_bias, param_dtype=param_dtype, dtype=dtype,
-                      backend=backend, config=config, mesh=mesh, expert_axis=expert_axis,
-                      data_axes=data_axes)
+    # locals() is the arguments by name here, before any other local is bound.
+    opts, inits = common.constructor_options(locals())
     self.options = opts
     for name in opts.param_shapes():
-      init = router_init if name == "router" else kernel_init
-      value = common.init_param(opts, name, rngs.params(), init, down_init)
+      value = common.init_param(opts, inits, name, rngs.params())
       setattr(self, name, nnx.Param(_annotated(opts, name, value)))
     self.bias = MoEBias(jnp.zeros((num_experts,), jnp.float32)) if selection_bias else None
 
