@@ -57,44 +57,84 @@ ffi::Error CheckBuffer(const char* target, const char* name, ffi::AnyBuffer b,
                              Describe(b.element_type(), dims));
 }
 
+namespace {
+
+// experts (T, k) with x's T and k >= 1, as every MoE target takes them.
+ffi::Error CheckExperts(const char* target, ffi::AnyBuffer::Dimensions x, ffi::AnyBuffer experts) {
+  auto dims = experts.dimensions();
+  if (dims.size() != 2 || dims[0] != x[0] || dims[1] < 1)
+    return Invalid(target, "experts must be (T, k) with T = " + std::to_string(x[0]) +
+                               " and k >= 1, got " + Describe(experts.element_type(), dims));
+  return ffi::Error::Success();
+}
+
+// block_m and ranks, as every MoE target takes them.
+ffi::Error CheckAttrs(const char* target, int64_t block_m, int64_t ranks) {
+  if (block_m < 1 || block_m > 256 || (block_m & (block_m - 1)))
+    return Invalid(target,
+                   "block_m must be a power of two in [1, 256], got " + std::to_string(block_m));
+  if (ranks < 1) return Invalid(target, "ranks must be at least 1, got " + std::to_string(ranks));
+  return ffi::Error::Success();
+}
+
+// What the platform's kernels add to the contract: the CPU reference nothing, the CUDA kernels
+// bf16 tokens and block_m = 64 or 128.
+ffi::Error CheckKernelContract(Platform platform, const char* target, ffi::AnyBuffer x,
+                               int64_t block_m) {
+  if (platform == Platform::kCpu) return ffi::Error::Success();
+  if (x.element_type() != ffi::DataType::BF16)
+    return Invalid(target, "the CUDA kernel takes bf16 tokens, got " +
+                               Describe(x.element_type(), x.dimensions()));
+  if (block_m != 64 && block_m != 128)
+    return Invalid(target,
+                   "the CUDA kernel needs block_m = 64 or 128, got " + std::to_string(block_m));
+  return ffi::Error::Success();
+}
+
+// The routed and the shared experts' weights (prefix ""), or their gradients (prefix "d"), in
+// the order of MoeInputs.
+ffi::Error CheckWeights(const char* target, const std::string& prefix, const MoeDims& d,
+                        ffi::DataType dtype, const ffi::AnyBuffer (&w)[6]) {
+  auto check = [&](const char* name, ffi::AnyBuffer b, std::initializer_list<int64_t> shape) {
+    return CheckBuffer(target, (prefix + name).c_str(), b, dtype, shape);
+  };
+  for (auto err : {check("w_gate", w[0], {d.E, d.H, d.I}), check("w_up", w[1], {d.E, d.H, d.I}),
+                   check("w_down", w[2], {d.E, d.I, d.H}), check("ws_gate", w[3], {d.H, d.Is}),
+                   check("ws_up", w[4], {d.H, d.Is}), check("ws_down", w[5], {d.Is, d.H})}) {
+    if (err.failure()) return err;
+  }
+  return ffi::Error::Success();
+}
+
+// Checks the inputs and returns the sizes of the call.
 ffi::ErrorOr<MoeDims> CheckInputs(const char* target, const MoeInputs& in, int64_t block_m,
                                   bool recompute, int64_t ranks) {
-  auto x = in.x.dimensions(), experts = in.experts.dimensions(), wg = in.w_gate.dimensions(),
-       wsg = in.ws_gate.dimensions();
+  auto x = in.x.dimensions(), wg = in.w_gate.dimensions(), wsg = in.ws_gate.dimensions();
   auto dtype = in.x.element_type();
   auto fail = [&](const std::string& what) { return ffi::Unexpected(Invalid(target, what)); };
   if ((dtype != ffi::DataType::F32 && dtype != ffi::DataType::BF16) || x.size() != 2)
     return fail("x must be bf16 or f32 (T, H), got " + Describe(dtype, x));
   const std::string H = std::to_string(x[1]);
-  if (experts.size() != 2 || experts[0] != x[0] || experts[1] < 1)
-    return fail("experts must be (T, k) with T = " + std::to_string(x[0]) + " and k >= 1, got " +
-                Describe(in.experts.element_type(), experts));
+  if (auto err = CheckExperts(target, x, in.experts); err.failure()) return ffi::Unexpected(err);
   if (wg.size() != 3 || wg[1] != x[1] || wg[0] < 1 || wg[2] < 1)
     return fail("w_gate must be (E, H, I) with H = " + H + ", got " +
                 Describe(in.w_gate.element_type(), wg));
   if (wsg.size() != 2 || wsg[0] != x[1])
     return fail("ws_gate must be (H, Is) with H = " + H + ", got " +
                 Describe(in.ws_gate.element_type(), wsg));
-  if (block_m < 1 || block_m > 256 || (block_m & (block_m - 1)))
-    return fail("block_m must be a power of two in [1, 256], got " + std::to_string(block_m));
-  if (ranks < 1) return fail("ranks must be at least 1, got " + std::to_string(ranks));
-  MoeDims d{x[0], x[1], wg[2], wg[0], experts[1], wsg[1], 0, block_m, recompute, ranks};
+  if (auto err = CheckAttrs(target, block_m, ranks); err.failure()) return ffi::Unexpected(err);
+  MoeDims d{x[0], x[1], wg[2], wg[0], in.experts.dimensions()[1], wsg[1], 0, block_m, recompute,
+            ranks};
   d.R = RoutedRows(d.T * d.k, d.E, block_m);
-  const ffi::DataType s32 = ffi::DataType::S32, f32 = ffi::DataType::F32;
-  for (auto err : {CheckBuffer(target, "experts", in.experts, s32, {d.T, d.k}),
-                   CheckBuffer(target, "weights", in.weights, f32, {d.T, d.k}),
-                   CheckBuffer(target, "w_gate", in.w_gate, dtype, {d.E, d.H, d.I}),
-                   CheckBuffer(target, "w_up", in.w_up, dtype, {d.E, d.H, d.I}),
-                   CheckBuffer(target, "w_down", in.w_down, dtype, {d.E, d.I, d.H}),
-                   CheckBuffer(target, "ws_gate", in.ws_gate, dtype, {d.H, d.Is}),
-                   CheckBuffer(target, "ws_up", in.ws_up, dtype, {d.H, d.Is}),
-                   CheckBuffer(target, "ws_down", in.ws_down, dtype, {d.Is, d.H})}) {
+  for (auto err : {CheckBuffer(target, "experts", in.experts, ffi::DataType::S32, {d.T, d.k}),
+                   CheckBuffer(target, "weights", in.weights, ffi::DataType::F32, {d.T, d.k}),
+                   CheckWeights(target, "", d, dtype,
+                                {in.w_gate, in.w_up, in.w_down, in.ws_gate, in.ws_up,
+                                 in.ws_down})}) {
     if (err.failure()) return ffi::Unexpected(err);
   }
   return d;
 }
-
-namespace {
 
 // A buffer whose rows the mode sets (gu, gu_shared, xs and the forward's xs scratch): a shape
 // that belongs to the other mode is most likely residuals of a forward called with another
@@ -123,10 +163,10 @@ ffi::Error CheckResiduals(const char* target, const MoeDims& d, ffi::DataType dt
   return ffi::Error::Success();
 }
 
-}  // namespace
-
-ffi::Error CheckFwdResults(const MoeDims& d, ffi::DataType dtype, const MoeFwdResults& out) {
-  const char* target = "mok_moe_fwd";
+// y of x's dtype or f32; gu and gu_shared with the rows that d.recompute implies (zero with
+// recompute).
+ffi::Error CheckFwdResults(const char* target, const MoeDims& d, ffi::DataType dtype,
+                           const MoeFwdResults& out) {
   auto ydt = out.y.element_type();
   if (ydt != dtype && ydt != ffi::DataType::F32)
     return Invalid(target, "y must be of x's dtype or f32, got " +
@@ -146,9 +186,10 @@ ffi::Error CheckFwdResults(const MoeDims& d, ffi::DataType dtype, const MoeFwdRe
   return ffi::Error::Success();
 }
 
-ffi::Error CheckBwdArgs(const MoeDims& d, ffi::DataType dtype, ffi::AnyBuffer dy,
-                        const MoeResiduals& res, const MoeBwdResults& out) {
-  const char* target = "mok_moe_bwd";
+// dy (T, H) of x's dtype or f32; the residuals as CheckFwdResults wants them; the gradients and
+// the backward's scratch.
+ffi::Error CheckBwdArgs(const char* target, const MoeDims& d, ffi::DataType dtype,
+                        ffi::AnyBuffer dy, const MoeResiduals& res, const MoeBwdResults& out) {
   auto dydt = dy.element_type();
   if (dydt != dtype && dydt != ffi::DataType::F32)
     return Invalid(target, "dy must be of x's dtype or f32, got " +
@@ -158,12 +199,9 @@ ffi::Error CheckBwdArgs(const MoeDims& d, ffi::DataType dtype, ffi::AnyBuffer dy
   const ffi::DataType f32 = ffi::DataType::F32;
   for (auto err : {CheckBuffer(target, "dx", out.dx, dtype, {d.T, d.H}),
                    CheckBuffer(target, "dweights", out.dweights, f32, {d.T, d.k}),
-                   CheckBuffer(target, "dw_gate", out.dw_gate, dtype, {d.E, d.H, d.I}),
-                   CheckBuffer(target, "dw_up", out.dw_up, dtype, {d.E, d.H, d.I}),
-                   CheckBuffer(target, "dw_down", out.dw_down, dtype, {d.E, d.I, d.H}),
-                   CheckBuffer(target, "dws_gate", out.dws_gate, dtype, {d.H, d.Is}),
-                   CheckBuffer(target, "dws_up", out.dws_up, dtype, {d.H, d.Is}),
-                   CheckBuffer(target, "dws_down", out.dws_down, dtype, {d.Is, d.H}),
+                   CheckWeights(target, "d", d, dtype,
+                                {out.dw_gate, out.dw_up, out.dw_down, out.dws_gate, out.dws_up,
+                                 out.dws_down}),
                    CheckBuffer(target, "xs_rows", out.xs_rows, dtype, {d.R, d.H}),
                    CheckBuffer(target, "dy_routed", out.dy_routed, dtype, {d.R, d.H}),
                    CheckBuffer(target, "dgu", out.dgu, dtype, {d.R, 2 * d.I}),
@@ -180,26 +218,60 @@ ffi::Error CheckBwdArgs(const MoeDims& d, ffi::DataType dtype, ffi::AnyBuffer dy
   return ffi::Error::Success();
 }
 
-ffi::ErrorOr<MoeDims> CheckFp8Call(const char* target, const MoeFp8Inputs& in,
+// The checks of mok_moe_fwd and mok_moe_bwd in order: the inputs, the platform's kernel
+// contract, then `rest(dims, dtype)`, the target's other buffers given the sizes and x's dtype.
+template <class CheckRest>
+ffi::ErrorOr<MoeDims> CheckCall(Platform platform, const char* target, const MoeInputs& in,
+                                int64_t block_m, bool recompute, int64_t ranks,
+                                CheckRest rest) {
+  auto dims = CheckInputs(target, in, block_m, recompute, ranks);
+  if (dims.has_error()) return dims;
+  for (auto err : {CheckKernelContract(platform, target, in.x, block_m),
+                   rest(*dims, in.x.element_type())}) {
+    if (err.failure()) return ffi::Unexpected(err);
+  }
+  return dims;
+}
+
+}  // namespace
+
+ffi::ErrorOr<MoeDims> CheckFwdCall(Platform platform, const MoeInputs& in,
+                                   const MoeFwdResults& out, int64_t block_m, bool recompute,
+                                   int64_t ranks) {
+  const char* target = "mok_moe_fwd";
+  return CheckCall(platform, target, in, block_m, recompute, ranks,
+                   [&](const MoeDims& d, ffi::DataType dtype) {
+                     return CheckFwdResults(target, d, dtype, out);
+                   });
+}
+
+ffi::ErrorOr<MoeDims> CheckBwdCall(Platform platform, ffi::AnyBuffer dy, const MoeInputs& in,
+                                   const MoeResiduals& res, const MoeBwdResults& out,
+                                   int64_t block_m, bool recompute, int64_t ranks) {
+  const char* target = "mok_moe_bwd";
+  return CheckCall(platform, target, in, block_m, recompute, ranks,
+                   [&](const MoeDims& d, ffi::DataType dtype) {
+                     return CheckBwdArgs(target, d, dtype, dy, res, out);
+                   });
+}
+
+ffi::ErrorOr<MoeDims> CheckFp8Call(Platform platform, const MoeFp8Inputs& in,
                                    const MoeFwdFp8Results& out, int64_t block_m, int64_t ranks) {
-  auto x = in.x.dimensions(), experts = in.experts.dimensions(), wg = in.w_gate.dimensions(),
-       wsg = in.ws_gate.dimensions();
+  const char* target = "mok_moe_fwd_fp8";
+  auto x = in.x.dimensions(), wg = in.w_gate.dimensions(), wsg = in.ws_gate.dimensions();
   auto fail = [&](const std::string& what) { return ffi::Unexpected(Invalid(target, what)); };
   if (in.x.element_type() != ffi::DataType::BF16 || x.size() != 2)
     return fail("x must be bf16 (T, H), got " + Describe(in.x.element_type(), x));
-  if (experts.size() != 2 || experts[0] != x[0] || experts[1] < 1)
-    return fail("experts must be (T, k) with T = " + std::to_string(x[0]) + " and k >= 1, got " +
-                Describe(in.experts.element_type(), experts));
+  if (auto err = CheckExperts(target, x, in.experts); err.failure()) return ffi::Unexpected(err);
   if (wg.size() != 3 || wg[2] != x[1] || wg[0] < 1 || wg[1] < 1)
     return fail("w_gate must be (E, I, H) with H = " + std::to_string(x[1]) + ", got " +
                 Describe(in.w_gate.element_type(), wg));
   if (wsg.size() != 2 || wsg[1] != x[1])
     return fail("ws_gate must be (Is, H) with H = " + std::to_string(x[1]) + ", got " +
                 Describe(in.ws_gate.element_type(), wsg));
-  if (block_m < 1 || block_m > 256 || (block_m & (block_m - 1)))
-    return fail("block_m must be a power of two in [1, 256], got " + std::to_string(block_m));
-  if (ranks < 1) return fail("ranks must be at least 1, got " + std::to_string(ranks));
-  MoeDims d{x[0], x[1], wg[1], wg[0], experts[1], wsg[0], 0, block_m, false, ranks};
+  if (auto err = CheckAttrs(target, block_m, ranks); err.failure()) return ffi::Unexpected(err);
+  MoeDims d{x[0], x[1], wg[1], wg[0], in.experts.dimensions()[1], wsg[0], 0, block_m, false,
+            ranks};
   if (d.H % 128 || d.I % 128 || d.Is % 128)
     return fail("H, I and Is must be multiples of 128 (the FP8 blocks), got " +
                 std::to_string(d.H) + ", " + std::to_string(d.I) + ", " + std::to_string(d.Is));
@@ -240,20 +312,11 @@ ffi::ErrorOr<MoeDims> CheckFp8Call(const char* target, const MoeFp8Inputs& in,
                                {sb, Fp8ScalePitch(d.T)}),
                    CheckBuffer(target, "y_shared", out.y_shared, bf16, {shared_rows, d.H}),
                    CheckBuffer(target, "layout", out.layout, s32,
-                               {LayoutScratchInts(d.T, d.k, d.E)})}) {
+                               {LayoutScratchInts(d.T, d.k, d.E)}),
+                   CheckKernelContract(platform, target, in.x, block_m)}) {
     if (err.failure()) return ffi::Unexpected(err);
   }
   return d;
-}
-
-ffi::Error CheckCudaKernelArgs(const char* target, ffi::AnyBuffer x, int64_t block_m) {
-  if (x.element_type() != ffi::DataType::BF16)
-    return Invalid(target, "the CUDA kernel takes bf16 tokens, got " +
-                               Describe(x.element_type(), x.dimensions()));
-  if (block_m != 64 && block_m != 128)
-    return Invalid(target,
-                   "the CUDA kernel needs block_m = 64 or 128, got " + std::to_string(block_m));
-  return ffi::Error::Success();
 }
 
 ffi::ErrorOr<CombineDims> CheckCombineArgs(const char* target, ffi::AnyBuffer rows,

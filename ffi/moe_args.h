@@ -92,14 +92,30 @@ struct MoeBwdResults {
 // mok_jax.ops.routed_rows: every route plus the block_m alignment padding of each expert.
 int64_t RoutedRows(int64_t routes, int64_t experts, int64_t block_m);
 
-// Checks the inputs and returns the sizes of the call.
-ffi::ErrorOr<MoeDims> CheckInputs(const char* target, const MoeInputs& in, int64_t block_m,
-                                  bool recompute, int64_t ranks);
-// gu and gu_shared have the rows that d.recompute implies (zero with recompute).
-ffi::Error CheckFwdResults(const MoeDims& d, ffi::DataType dtype, const MoeFwdResults& out);
-// dy is (T, H) of x's dtype or f32; the residuals are as CheckFwdResults wants them.
-ffi::Error CheckBwdArgs(const MoeDims& d, ffi::DataType dtype, ffi::AnyBuffer dy,
-                        const MoeResiduals& res, const MoeBwdResults& out);
+// The platform whose handler a call reached. Both take the same buffers; the CUDA kernels add
+// bf16 tokens and block_m = 64 or 128 to what the CPU reference takes.
+enum class Platform { kCpu, kCuda };
+
+// Checks every buffer and attribute of a mok_moe_fwd call, in the order the handlers of both
+// platforms share, and returns the sizes of the call: the inputs, the platform's kernel
+// contract, then the results (gu, gu_shared and xs with the rows that recompute implies, zero
+// with recompute).
+ffi::ErrorOr<MoeDims> CheckFwdCall(Platform platform, const MoeInputs& in,
+                                   const MoeFwdResults& out, int64_t block_m, bool recompute,
+                                   int64_t ranks);
+// The same for mok_moe_bwd: dy is (T, H) of x's dtype or f32, the residuals as the forward
+// writes them.
+ffi::ErrorOr<MoeDims> CheckBwdCall(Platform platform, ffi::AnyBuffer dy, const MoeInputs& in,
+                                   const MoeResiduals& res, const MoeBwdResults& out,
+                                   int64_t block_m, bool recompute, int64_t ranks);
+
+// The sizes of a call into a launcher's arguments (cuda/launch.h): MoeFwdArgs, MoeBwdArgs and
+// MoeFwdFp8Args start with the same fields.
+template <class LaunchArgs>
+void SetLaunchDims(const MoeDims& d, LaunchArgs& a) {
+  a.T = d.T, a.H = d.H, a.I = d.I, a.E = d.E, a.k = d.k, a.Is = d.Is, a.R = d.R;
+  a.block_m = static_cast<int>(d.block_m), a.ranks = d.ranks;
+}
 
 // A buffer of the given dtype and shape, or an error naming it: "<target>: pos must be
 // s32[4, 2], got s32[4, 3]".
@@ -108,10 +124,11 @@ ffi::Error CheckBuffer(const char* target, const char* name, ffi::AnyBuffer b,
 
 std::string DescribeBuffer(ffi::DataType dtype, ffi::AnyBuffer::Dimensions dims);
 
-// The argument list of mok_moe_fwd, shared by every platform's handler: the CPU handler binds
-// BindMoeFwd(Ffi::Bind()), the CUDA one puts its stream first.
+// The forward's inputs (MoeInputs) in order: the operands of mok_moe_fwd, which mok_moe_bwd
+// takes again after dy. The parts of a binding take it by reference: xla::ffi::Binding moves
+// only into the binding that its own Arg, Ret and Attr return.
 template <class Binding>
-auto BindMoeFwd(Binding binding) {
+auto BindMoeInputs(Binding&& binding) {
   return std::move(binding).template Arg<ffi::AnyBuffer>()  // x (T, H) bf16|f32
       .template Arg<ffi::AnyBuffer>()            // experts (T, k) s32
       .template Arg<ffi::AnyBuffer>()            // weights (T, k) f32
@@ -120,7 +137,22 @@ auto BindMoeFwd(Binding binding) {
       .template Arg<ffi::AnyBuffer>()            // w_down (E, I, H)
       .template Arg<ffi::AnyBuffer>()            // ws_gate (H, Is)
       .template Arg<ffi::AnyBuffer>()            // ws_up (H, Is)
-      .template Arg<ffi::AnyBuffer>()            // ws_down (Is, H)
+      .template Arg<ffi::AnyBuffer>();           // ws_down (Is, H)
+}
+
+// The attributes of mok_moe_fwd and mok_moe_bwd (MoeDims), after their buffers.
+template <class Binding>
+auto BindMoeAttrs(Binding&& binding) {
+  return std::move(binding).template Attr<int64_t>("block_m")
+      .template Attr<bool>("recompute")
+      .template Attr<int64_t>("ranks");
+}
+
+// The argument list of mok_moe_fwd, shared by every platform's handler: the CPU handler binds
+// BindMoeFwd(Ffi::Bind()), the CUDA one puts its stream first.
+template <class Binding>
+auto BindMoeFwd(Binding binding) {
+  auto buffers = BindMoeInputs(std::move(binding))
       .template Ret<ffi::AnyBuffer>()            // y (T, H) like x or f32
       .template Ret<ffi::AnyBuffer>()            // pos (T, k) s32
       .template Ret<ffi::AnyBuffer>()            // offsets (E + 1) s32
@@ -133,25 +165,15 @@ auto BindMoeFwd(Binding binding) {
       .template Ret<ffi::AnyBuffer>()            // scratch h (R, I)
       .template Ret<ffi::AnyBuffer>()            // scratch h_shared (T, Is)
       .template Ret<ffi::AnyBuffer>()            // scratch y_shared (T or 0, H)
-      .template Ret<ffi::AnyBuffer>()            // scratch layout s32
-      .template Attr<int64_t>("block_m")
-      .template Attr<bool>("recompute")
-      .template Attr<int64_t>("ranks");
+      .template Ret<ffi::AnyBuffer>();           // scratch layout s32
+  return BindMoeAttrs(std::move(buffers));
 }
 
 // The argument list of mok_moe_bwd, shared like BindMoeFwd.
 template <class Binding>
 auto BindMoeBwd(Binding binding) {
-  return std::move(binding).template Arg<ffi::AnyBuffer>()  // dy (T, H) like x or f32
-      .template Arg<ffi::AnyBuffer>()            // x (T, H)
-      .template Arg<ffi::AnyBuffer>()            // experts (T, k) s32
-      .template Arg<ffi::AnyBuffer>()            // weights (T, k) f32
-      .template Arg<ffi::AnyBuffer>()            // w_gate (E, H, I)
-      .template Arg<ffi::AnyBuffer>()            // w_up (E, H, I)
-      .template Arg<ffi::AnyBuffer>()            // w_down (E, I, H)
-      .template Arg<ffi::AnyBuffer>()            // ws_gate (H, Is)
-      .template Arg<ffi::AnyBuffer>()            // ws_up (H, Is)
-      .template Arg<ffi::AnyBuffer>()            // ws_down (Is, H)
+  auto dy = std::move(binding).template Arg<ffi::AnyBuffer>();  // dy (T, H) like x or f32
+  auto buffers = BindMoeInputs(std::move(dy))
       .template Arg<ffi::AnyBuffer>()            // pos (T, k) s32
       .template Arg<ffi::AnyBuffer>()            // offsets (E + 1) s32
       .template Arg<ffi::AnyBuffer>()            // rows (R) s32
@@ -174,10 +196,8 @@ auto BindMoeBwd(Binding binding) {
       .template Ret<ffi::AnyBuffer>()            // scratch h_shared (T, Is)
       .template Ret<ffi::AnyBuffer>()            // scratch dx_shared (T or 0, H) like x
       .template Ret<ffi::AnyBuffer>()            // scratch dw_parts f32 (R, ceil(I / 128))
-      .template Ret<ffi::AnyBuffer>()            // scratch queue s32 (TileQueueInts(T, k, E))
-      .template Attr<int64_t>("block_m")
-      .template Attr<bool>("recompute")
-      .template Attr<int64_t>("ranks");
+      .template Ret<ffi::AnyBuffer>();           // scratch queue s32 (TileQueueInts(T, k, E))
+  return BindMoeAttrs(std::move(buffers));
 }
 
 // mok_moe_combine: out[t] = round(sum_j weights[t, j] rows[pos[t, j]] in j order + extra[t]),
@@ -243,9 +263,10 @@ struct MoeFwdFp8Results {
   ffi::AnyBuffer layout;           // (LayoutScratchInts(T, k, E)) s32
 };
 
-// Checks the inputs and results of mok_moe_fwd_fp8 and returns the sizes of the call
-// (recompute false: the FP8 forward keeps no residual of the GEMMs).
-ffi::ErrorOr<MoeDims> CheckFp8Call(const char* target, const MoeFp8Inputs& in,
+// Checks the inputs and results of mok_moe_fwd_fp8, then the platform's kernel contract, and
+// returns the sizes of the call (recompute false: the FP8 forward keeps no residual of the
+// GEMMs).
+ffi::ErrorOr<MoeDims> CheckFp8Call(Platform platform, const MoeFp8Inputs& in,
                                    const MoeFwdFp8Results& out, int64_t block_m, int64_t ranks);
 
 template <class Binding>
@@ -283,8 +304,5 @@ auto BindMoeFwdFp8(Binding binding) {
       .template Attr<int64_t>("block_m")
       .template Attr<int64_t>("ranks");
 }
-
-// What the CUDA kernels add to the contract: bf16 and block_m = 64 or 128. `target` names the call.
-ffi::Error CheckCudaKernelArgs(const char* target, ffi::AnyBuffer x, int64_t block_m);
 
 }  // namespace mok

@@ -247,14 +247,12 @@ ffi::Error MoeBwd(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer experts,
   MoeBwdResults out{*dx,       *dweights, *dw_gate, *dw_up,  *dw_down,   *dws_gate,
                     *dws_up,   *dws_down, *xs_rows, *dy_routed, *dgu, *dgu_shared,
                     *h,        *h_shared, *dx_shared, *dw_parts, *queue};
-  auto dims = CheckInputs("mok_moe_bwd", in, block_m, recompute, ranks);
+  auto dims = CheckBwdCall(Platform::kCpu, dy, in, res, out, block_m, recompute, ranks);
   if (dims.has_error()) return dims.error();
-  auto dtype = x.element_type();
-  if (auto err = CheckBwdArgs(*dims, dtype, dy, res, out); err.failure()) return err;
   if (auto err = CheckLayout(*dims, experts.reinterpret_data<int32_t>(), res); err.failure())
     return err;
   bool dy_f32 = dy.element_type() == ffi::DataType::F32;
-  if (dtype == ffi::DataType::F32) {
+  if (x.element_type() == ffi::DataType::F32) {
     Backward<float, float>(*dims, dy, in, res, out);
   } else if (dy_f32) {
     Backward<bf16_bits, float>(*dims, dy, in, res, out);

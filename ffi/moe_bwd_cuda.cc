@@ -31,14 +31,11 @@ ffi::Error MoeBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
   MoeBwdResults out{*dx,       *dweights, *dw_gate, *dw_up,  *dw_down,   *dws_gate,
                     *dws_up,   *dws_down, *xs_rows, *dy_routed, *dgu, *dgu_shared,
                     *h,        *h_shared, *dx_shared, *dw_parts, *queue};
-  auto dims = CheckInputs("mok_moe_bwd", in, block_m, recompute, ranks);
+  auto dims = CheckBwdCall(Platform::kCuda, dy, in, res, out, block_m, recompute, ranks);
   if (dims.has_error()) return dims.error();
   const MoeDims& d = *dims;
-  if (auto err = CheckCudaKernelArgs("mok_moe_bwd", x, block_m); err.failure()) return err;
-  if (auto err = CheckBwdArgs(d, ffi::DataType::BF16, dy, res, out); err.failure()) return err;
   cuda::MoeBwdArgs a{};
-  a.T = d.T, a.H = d.H, a.I = d.I, a.E = d.E, a.k = d.k, a.Is = d.Is, a.R = d.R;
-  a.block_m = static_cast<int>(d.block_m), a.ranks = d.ranks;
+  SetLaunchDims(d, a);
   a.dy = dy.untyped_data(), a.dy_f32 = dy.element_type() == ffi::DataType::F32;
   a.x = x.untyped_data(), a.weights = weights.reinterpret_data<float>();
   a.w_gate = w_gate.untyped_data(), a.w_up = w_up.untyped_data();

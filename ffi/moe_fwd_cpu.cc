@@ -119,12 +119,10 @@ ffi::Error MoeFwd(ffi::AnyBuffer x, ffi::AnyBuffer experts, ffi::AnyBuffer weigh
   MoeInputs in{x, experts, weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down};
   MoeFwdResults out{*y,          {*pos, *offsets, *rows, *gu, *gu_shared, *xs},
                     *y_routed,   *xs_scratch, *h, *h_shared, *y_shared, *layout};
-  auto dims = CheckInputs("mok_moe_fwd", in, block_m, recompute, ranks);
+  auto dims = CheckFwdCall(Platform::kCpu, in, out, block_m, recompute, ranks);
   if (dims.has_error()) return dims.error();
-  auto dtype = x.element_type();
-  if (auto err = CheckFwdResults(*dims, dtype, out); err.failure()) return err;
   bool y_f32 = out.y.element_type() == ffi::DataType::F32;
-  if (dtype == ffi::DataType::F32) {
+  if (x.element_type() == ffi::DataType::F32) {
     Forward<float, float>(*dims, in, out);
   } else if (y_f32) {
     Forward<bf16_bits, float>(*dims, in, out);
@@ -253,7 +251,7 @@ ffi::Error MoeFwdFp8(ffi::AnyBuffer x, ffi::AnyBuffer experts, ffi::AnyBuffer we
   MoeFwdFp8Results out{*y,         *pos,       *offsets,         *rows,      *xq,
                        *xq_scale,  *hq,        *hq_scale,        *y_routed,  *xq_shared,
                        *xq_shared_scale, *hq_shared, *hq_shared_scale, *y_shared, *layout};
-  auto dims = CheckFp8Call("mok_moe_fwd_fp8", in, out, block_m, ranks);
+  auto dims = CheckFp8Call(Platform::kCpu, in, out, block_m, ranks);
   if (dims.has_error()) return dims.error();
   if (out.y.element_type() == ffi::DataType::F32) {
     ForwardFp8<float>(*dims, in, out);

@@ -25,14 +25,11 @@ ffi::Error MoeFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer expe
   MoeInputs in{x, experts, weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down};
   MoeFwdResults out{*y,          {*pos, *offsets, *rows, *gu, *gu_shared, *xs},
                     *y_routed,   *xs_scratch, *h, *h_shared, *y_shared, *layout};
-  auto dims = CheckInputs("mok_moe_fwd", in, block_m, recompute, ranks);
+  auto dims = CheckFwdCall(Platform::kCuda, in, out, block_m, recompute, ranks);
   if (dims.has_error()) return dims.error();
   const MoeDims& d = *dims;
-  if (auto err = CheckCudaKernelArgs("mok_moe_fwd", x, block_m); err.failure()) return err;
-  if (auto err = CheckFwdResults(d, ffi::DataType::BF16, out); err.failure()) return err;
   cuda::MoeFwdArgs a{};
-  a.T = d.T, a.H = d.H, a.I = d.I, a.E = d.E, a.k = d.k, a.Is = d.Is, a.R = d.R;
-  a.block_m = static_cast<int>(d.block_m), a.ranks = d.ranks;
+  SetLaunchDims(d, a);
   a.x = x.untyped_data();
   a.experts = experts.reinterpret_data<int32_t>();
   a.weights = weights.reinterpret_data<float>();

@@ -30,14 +30,11 @@ ffi::Error MoeFwdFp8Cuda(
   MoeFwdFp8Results out{*y,         *pos,       *offsets,         *rows,      *xq,
                        *xq_scale,  *hq,        *hq_scale,        *y_routed,  *xq_shared,
                        *xq_shared_scale, *hq_shared, *hq_shared_scale, *y_shared, *layout};
-  auto dims = CheckFp8Call("mok_moe_fwd_fp8", in, out, block_m, ranks);
+  auto dims = CheckFp8Call(Platform::kCuda, in, out, block_m, ranks);
   if (dims.has_error()) return dims.error();
-  if (auto err = CheckCudaKernelArgs("mok_moe_fwd_fp8", x, block_m); err.failure()) return err;
-  const MoeDims& d = *dims;
   auto f32 = [](ffi::AnyBuffer b) { return b.reinterpret_data<float>(); };
   cuda::MoeFwdFp8Args a{};
-  a.T = d.T, a.H = d.H, a.I = d.I, a.E = d.E, a.k = d.k, a.Is = d.Is, a.R = d.R;
-  a.block_m = static_cast<int>(d.block_m), a.ranks = d.ranks;
+  SetLaunchDims(*dims, a);
   a.x = x.untyped_data();
   a.experts = experts.reinterpret_data<int32_t>();
   a.weights = weights.reinterpret_data<float>();

@@ -24,11 +24,13 @@ EP_COMBINE = ep_transport.COMBINE_OPERANDS + ep_transport.COMBINE_RESULTS
 
 
 def _bound_names(binder: str, src: str = ARGS_H) -> tuple[str, ...]:
-  """The buffer names of BindMoeFwd / BindMoeBwd, from the comment on each Arg and Ret."""
+  """The buffer names of BindMoeFwd / BindMoeBwd, from the comment on each Arg and Ret, with
+  those of the binders they call (BindMoeInputs) in their place."""
   body = src[src.index(f"auto {binder}("):]
-  body = body[:body.index("\n}\n")]
-  return tuple(re.findall(r"template (?:Arg|Ret)<ffi::AnyBuffer>\(\);?\s*// (?:scratch )?(\w+)",
-                          body))
+  body = body[body.index("{"):body.index("\n}\n")]
+  found = re.findall(r"\b(Bind\w+)\(|template (?:Arg|Ret)<ffi::AnyBuffer>\(\);?\s*// "
+                     r"(?:scratch )?(\w+)", body)
+  return tuple(n for call, name in found for n in (_bound_names(call, src) if call else (name,)))
 
 
 def _struct_fields(name: str) -> tuple[str, ...]:
