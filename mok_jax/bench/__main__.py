@@ -24,10 +24,12 @@ def parse_args(argv):
   add("--shapes", help=f"of {', '.join(shapes.SHAPES)} (default: all, unless --shape or --tiny)")
   add("--shape", action="append", default=[], metavar="T,H,I,E,k", help="a custom shape")
   add("--tiny", action="store_true", help="a small shape for a CPU (f32), few reps")
+  add("--precision", dest="run_precision", default="bf16", choices=shapes.PRECISIONS,
+      help="mok_jax's Config.precision and the peers' (fp8: mok_jax's bf16 too; bf16 on a CPU)")
   add("--skew", type=float, nargs="?", const=1.0, default=0.0, metavar="S",
       help="Zipf expert load of exponent S (1 if none given; default 0: uniform)")
-  add("--impls", default="", help=f"of {', '.join(shapes.IMPLS)} or {', '.join(shapes.ALIASES)} "
-      "(default: the platform's mok_jax backends and the peers)")
+  add("--impls", default="", help=f"of {', '.join(shapes.IMPLS)} or {', '.join(shapes.ALIASES)}"
+      ", NAME@bf16|fp8 at another --precision (default: the platform's mok_jax and the peers)")
   add("--modes", default=",".join(shapes.MODES), help="fwd, fwd+bwd or both")
   add("--ep", type=int, default=1, metavar="N", help="mok_jax's expert parallelism over N "
       "devices, E / N experts and the shape's T a device (on a CPU: N host devices)")
@@ -49,7 +51,8 @@ def parse_args(argv):
     p.error(f"--out {args.out} exists: each run writes a file of its own")
   args.knobs = {name: tiny if args.tiny else full for name, (full, tiny) in KNOBS.items()}
   args.knobs.update({k: v for k in ("reps", "budget_s") if (v := getattr(args, k)) is not None},
-                    **{k: getattr(args, k) for k in ("seed", "skew", "ep", "ep_transport")})
+                    **{k: getattr(args, k) for k in ("seed", "skew", "ep", "ep_transport",
+                                                     "run_precision")})
   args.modes = [m for m in args.modes.split(",") if m]
   if not args.modes or not set(args.modes) <= set(shapes.MODES):
     p.error(f"--modes takes {', '.join(shapes.MODES)}")
@@ -57,8 +60,8 @@ def parse_args(argv):
       or args.knobs["budget_s"] <= 0):
     p.error("--skew must be >= 0, --ep and --reps >= 1, --budget-s and --mode-timeout > 0")
   try:
-    args.chosen = shapes.select(args.shapes, args.shape, args.tiny)
-    shapes.resolve_impls(args.impls, "gpu")  # the names now, the platform's defaults later
+    args.chosen = shapes.select(args.shapes, args.shape, args.tiny, args.run_precision)
+    shapes.resolve_impls(args.impls, "gpu", args.run_precision)  # names now, the platform's later
   except ValueError as exc:
     p.error(str(exc))
   return args

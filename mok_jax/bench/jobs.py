@@ -23,7 +23,7 @@ from jax.sharding import AxisType, PartitionSpec
 import mok_jax
 from mok_jax import expert_parallel, ops
 from mok_jax.bench import inputs, timing, torch_peer
-from mok_jax.bench.shapes import Shape, dtype_for
+from mok_jax.bench.shapes import RUNS_AT, Shape, dtype_for
 from mok_jax.bench.timing import failure, record, stage
 
 PEAK_N_GPU, PEAK_N_CPU = 8192, 1024  # 8192^3 saturates an H100 or H200
@@ -38,7 +38,7 @@ def iter_job(job: dict):
   """The job's events as they happen; every mode gets a record unless the process dies."""
   done = []
   try:
-    source = (torch_peer.run(job) if job["impl"] == "torch._grouped_mm" else
+    source = (torch_peer.run(job) if job["impl"].startswith("torch.") else
               _peak(job) if job["kind"] == "peak" else _moe(job))
     for event in source:
       if event["event"] == "record":
@@ -64,7 +64,7 @@ def _peak(job: dict):
   """n^3 jnp.dot, back to back: the ceiling of % peak. N(0, 1) inputs: all-zero operands would
   draw less power and clock higher than any real GEMM."""
   device = _device()
-  dtype = dtype_for(device["platform"])
+  dtype = dtype_for(device["platform"], job["run_precision"])
   n = job["peak_n"] or (PEAK_N_GPU if device["platform"] == "gpu" else PEAK_N_CPU)
   raw = {"mode": "dense", "n": n, "dtype": dtype, "flops": 2 * n ** 3}
   try:
@@ -104,14 +104,19 @@ def ep_bytes(shape: Shape, ep: int, b: int, experts, ragged: bool) -> dict:
 
 def _moe(job: dict):
   device = _device()
-  dtype = dtype_for(device["platform"])
+  dtype = dtype_for(device["platform"], job["run_precision"])
   shape, ep, modes = Shape(**job["shape"]), job["ep"], job["modes"]
   common = {"dtype": dtype}
   try:
-    layer = jax_layer(job["impl"], shape, JNP[dtype], ep, job["ep_transport"])
+    layer = jax_layer(job["impl"], shape, JNP[dtype], ep, job["ep_transport"], job["precision"])
+    unavailable = {"fwd+bwd": "tokamax's quantized ragged_dot is timed forward only: it "
+                   "differentiates arrays, not the qwix.QArray operands of its quantized path"} if (
+        job["impl"], job["precision"]) == ("tokamax.ragged_dot", "fp8") else {}
   except Unavailable as exc:
-    yield from (record(dict(mode=m, status="unavailable", reason=str(exc), **common), device)
-                for m in modes)
+    unavailable = dict.fromkeys(modes, str(exc))
+  yield from (record(dict(mode=m, status="unavailable", reason=unavailable[m], **common), device)
+              for m in modes if m in unavailable)
+  if not (modes := [m for m in modes if m not in unavailable]):
     return
   yield stage(modes[0], "building inputs")
   params, sets = inputs.jax_inputs(dataclasses.replace(shape, T=shape.T * ep), JNP[dtype],
@@ -150,22 +155,30 @@ _abs_sums = jax.jit(lambda out: [jnp.sum(jnp.abs(a.astype(jnp.float32)))
                                  for a in jax.tree.leaves(out)])
 
 
-def jax_layer(name: str, shape: Shape, dtype, ep: int = 1, ep_transport: str = "auto"):
-  """layer(x, experts, weights, w_gate, w_up, w_down) -> y, as mok_jax.moe, or raises
-  Unavailable. ep > 1, or an ep_transport other than "auto": mok_jax's layer in shard_map over
-  ep devices, tokens and experts split, its rows moved by ep_transport."""
+def jax_layer(name: str, shape: Shape, dtype, ep: int = 1, ep_transport: str = "auto",
+              precision: str = "bf16"):
+  """layer(x, experts, weights, w_gate, w_up, w_down) -> y, as mok_jax.moe at `precision`, or
+  raises Unavailable. ep > 1, or an ep_transport other than "auto": mok_jax's layer in shard_map
+  over ep devices, tokens and experts split, its rows moved by ep_transport."""
   routed = ep > 1 or ep_transport != "auto"
+  if precision not in RUNS_AT[name]:
+    raise Unavailable(f"{name} runs at {', '.join(RUNS_AT[name])} only")
   if not name.startswith("mok_jax:"):
     if routed:
       raise Unavailable("no expert parallelism in this implementation")
-    return _peer(name)
+    return _peer(name, precision)
   backend, platform = name.split(":", 1)[1], jax.default_backend()
+  config = mok_jax.Config(ep_transport=ep_transport, precision=precision)
+  dims = ops.MoeDims(shape.T, shape.H, shape.I, shape.E, shape.k, 0)
+  reason = None
   if backend == "cuda" or (backend == "ffi" and platform != "cpu"):
-    dims = ops.MoeDims(shape.T, shape.H, shape.I, shape.E, shape.k, 0)
-    if reason := ops.cuda_unsupported_reason(platform, dtype, dims, mok_jax.Config()):
-      raise Unavailable(reason)
+    reason = ops.cuda_unsupported_reason(platform, dtype, dims, config)
+  elif backend == "ffi" and precision != "bf16":  # the C++ target, in the FP8 kernels' bounds
+    reason = ops.fp8_unsupported_reason(dtype, dims, config)
+  if reason:
+    raise Unavailable(reason)
   layer = lambda *args: mok_jax.moe(*args, backend=backend, axis_name="ep" * routed or None,
-                                    config=mok_jax.Config(ep_transport=ep_transport))
+                                    config=config)
   if not routed:
     return layer
   if len(jax.devices()) < ep:
@@ -177,16 +190,23 @@ def jax_layer(name: str, shape: Shape, dtype, ep: int = 1, ep_transport: str = "
   return jax.shard_map(layer, mesh=mesh, in_specs=split, out_specs=split)
 
 
-def _peer(name: str):
+def _peer(name: str, precision: str):
   """mok_jax's xla layer with its grouped matmul swapped for the peer's, as a user of the peer
-  writes the layer: jax.lax.ragged_dot, or tokamax.ragged_dot letting tokamax pick its kernel."""
+  writes the layer: jax.lax.ragged_dot, or tokamax.ragged_dot letting tokamax pick its kernel, at
+  fp8 on qwix.QArray operands made in the call (e4m3, a scale a row and a weights' column)."""
   grouped = jax.lax.ragged_dot
   if name == "tokamax.ragged_dot":
     try:
       import tokamax  # pylint: disable=import-outside-toplevel
+      if precision == "fp8":
+        import qwix  # pylint: disable=import-outside-toplevel  # tokamax's quantized operands
     except Exception as exc:  # pylint: disable=broad-except  # SyntaxError on Python < 3.12, ...
       raise Unavailable(f"import tokamax failed: {failure(exc)['reason']}") from None
     grouped = tokamax.ragged_dot
+  if precision == "fp8":
+    e4m3 = lambda a, axes: qwix.quantize(a, jnp.float8_e4m3fn, channelwise_axes=axes)
+    grouped = lambda lhs, rhs, **kwargs: tokamax.ragged_dot(e4m3(lhs, (0,)), e4m3(rhs, (0, 2)),
+                                                            **kwargs)
 
   def ragged_dot(lhs, rhs, group_sizes, preferred_element_type=None, **kwargs):
     # The product in the operands' dtype, widened after: tokamax's backward rejects a cotangent

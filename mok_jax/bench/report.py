@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import os
 
-from mok_jax.bench.shapes import IMPLS, MODES, PEERS
+from mok_jax.bench.shapes import IMPLS, MODES, PEERS, label
 
-# The frameworks round a little differently (torch rounds g and u to bf16): this catches wrong
-# results, not rounding.
+# The frameworks round a little differently (torch rounds g and u to bf16; FP8's sums of |.|
+# move by a few 1e-3): this catches wrong results, not rounding. The reference: the first of
+# REFERENCE_ORDER with checksums, bf16 before FP8.
 CHECK_TOL = {"bf16": 2e-2, "f32": 1e-3}
-REFERENCE_ORDER = ("mok_jax:xla", *PEERS)
+REFERENCE_ORDER = ("mok_jax:xla", *PEERS, "mok_jax:ffi", "mok_jax:cuda")
 STATUS_TEXT = {"oom": "out of memory", "unavailable": "n/a"}
-COLUMNS = (("  impl", 24), ("median ms", 10), ("TF/s", 8), ("b2b ms", 8), ("b2b TF/s", 8),
+COLUMNS = (("  impl", 30), ("median ms", 10), ("TF/s", 8), ("b2b ms", 8), ("b2b TF/s", 8),
            ("% peak", 7), ("vs peer", 8), ("mem GiB", 8), ("compile s", 9))
 
 
@@ -29,9 +30,11 @@ def tflops(flops: int, ms: float) -> float:
 
 
 def derive(records: list[dict]) -> list[dict]:
-  """Copies with tflops(_b2b), peak_tflops, pct_of_peak, best_peer, speedup_vs_best_peer,
-  check_vs and check_result."""
-  out, peaks, cases = [dict(r) for r in records], {}, {}
+  """Copies with precision (older records: bf16), label, tflops(_b2b), peak_tflops, pct_of_peak,
+  best_peer (mok_jax's bf16 beside its FP8 too), speedup_vs_best_peer, check_vs, check_result."""
+  out = [dict(r, precision=(p := r.get("precision", "bf16")), label=label(r.get("impl"), p))
+         for r in records]
+  peaks, cases = {}, {}
   for r in (r for r in out if r.get("kind") == "peak" and r.get("status") == "ok"):
     r["tflops"] = peaks[r.get("dtype")] = tflops(r["flops"], r["ms"]["median"])
   for r in (r for r in out if r.get("kind") == "moe" and r.get("status") == "ok"):
@@ -42,19 +45,21 @@ def derive(records: list[dict]) -> list[dict]:
     peak = r["peak_tflops"] = peaks.get(r.get("dtype"))
     r["pct_of_peak"] = 100.0 * r["tflops"] / peak if peak else None
   for ok in cases.values():
-    best = min((r for r in ok if r["impl"] in PEERS), key=lambda r: r["ms"]["median"],
-               default=None)
-    by_impl = {r["impl"]: r for r in ok if isinstance(r.get("check"), dict)}
-    ref = next((by_impl[name] for name in REFERENCE_ORDER if name in by_impl), None)
+    fp8 = any(r["impl"] not in PEERS and r["precision"] != "bf16" for r in ok)
+    best = min((r for r in ok if r["impl"] in PEERS or fp8 and r["precision"] == "bf16"),
+               key=lambda r: r["ms"]["median"], default=None)
+    checked = [r for r in ok if isinstance(r.get("check"), dict)]
+    ref = min((r for r in checked if r["impl"] in REFERENCE_ORDER), default=None, key=lambda r: (
+        r["precision"] != "bf16", REFERENCE_ORDER.index(r["impl"])))
     for r in ok:
-      r["best_peer"] = best and best["impl"]
+      r["best_peer"] = best and best["label"]
       r["speedup_vs_best_peer"] = best and best["ms"]["median"] / r["ms"]["median"]
       r["check_vs"], r["check_result"] = None, "reference" if r is ref else None
-      if ref is not None and r is not ref and r["impl"] in by_impl:
+      if ref is not None and r is not ref and isinstance(r.get("check"), dict):
         tol = CHECK_TOL.get(r.get("dtype"), 2e-2)
         bad = [f"{name} {r['check'].get(name)} vs {want}" for name, want in ref["check"].items()
                if not _close(r["check"].get(name), want, tol)]
-        r["check_vs"] = ref["impl"]
+        r["check_vs"] = ref["label"]
         r["check_result"] = "mismatch: " + ", ".join(bad) if bad else "ok"
   return out
 
@@ -93,6 +98,9 @@ def _header(records: list[dict]) -> list[str]:
                     "back-to-back calls with one sync each" if how else ""))
   sample_ms = next((round(1e3 * r["timing_b2b"]["sample_s"]) for r in records
                     if (r.get("timing_b2b") or {}).get("sample_s")), "-")
+  if any(r.get("precision") == "fp8" for r in records):
+    lines.append("@fp8: e4m3 products, mok_jax's in blocks (Config(precision='fp8')), torch's "
+                 "and tokamax's a scale a row and weight column; FLOPs and peak as bf16's")
   return lines + [
       "TF/s = FLOPs (2*T*k*3*H*I a forward, x3 fwd+bwd) / the median ms of samples of one call "
       f"and a sync; b2b: of back-to-back calls, samples of about {sample_ms} ms, one sync each",
@@ -147,7 +155,8 @@ def table(records: list[dict]) -> str:
         lines.append(f"{r['shape']}  T={r['T']} H={r['H']} I={r['I']} E={r['E']} k={r['k']}"
                      + (f"  (routes per expert: max/mean {load['max_over_mean']:.2f}, "
                         f"{load['empty_experts']} empty)" if load else ""))
-      lines.append(row((f"  {r['impl']}", *_cells(r, f"{r['impl']} on {r['shape']} {mode}", note))))
+      lines.append(row((f"  {r['label']}", *_cells(r, f"{r['label']} on {r['shape']} {mode}",
+                                                    note))))
   return "\n".join(lines + [""] * bool(notes) + [f"[{i + 1}] {t}" for i, t in enumerate(notes)])
 
 
@@ -162,10 +171,10 @@ def chart(records: list[dict], path: str) -> str | None:
   if not moe:
     return None
   shapes = list(dict.fromkeys(r["shape"] for r in moe))
-  impls = [name for name in IMPLS if any(r["impl"] == name for r in moe)]
+  impls = sorted({r["label"] for r in moe}, key=lambda n: (IMPLS.index(n.split("@")[0]), n))
   modes = [m for m in MODES if any(r["mode"] == m for r in moe)]
   peak = next((r["tflops"] for r in records if r.get("kind") == "peak" and "tflops" in r), None)
-  colors = dict(zip(IMPLS, ("#d62728", "#ff7f0e", "#9467bd", "#1f77b4", "#2ca02c", "#8c564b")))
+  colors = dict(zip(IMPLS, ("C3", "C1", "C4", "C0", "C2", "C5", "C6")))  # tab10's
   fig = Figure(figsize=(max(7.0, 1.9 * len(shapes) + 3.0), 3.6 * len(modes) + 1))
   axes = fig.subplots(len(modes), 1, squeeze=False)
   width = 0.8 / len(impls)
@@ -173,9 +182,9 @@ def chart(records: list[dict], path: str) -> str | None:
     top = max([r.get("tflops") or 0 for r in moe if r["mode"] == mode] + [peak or 0, 1e-9])
     for r in (r for r in moe if r["mode"] == mode):
       ok, color = r.get("status") == "ok", colors[r["impl"]]
-      x = shapes.index(r["shape"]) + (impls.index(r["impl"]) - (len(impls) - 1) / 2) * width
-      ax.bar(x, r["tflops"] if ok else 0, width, color=color,
-             label=r["impl"] if r["shape"] == shapes[0] else None)
+      x = shapes.index(r["shape"]) + (impls.index(r["label"]) - (len(impls) - 1) / 2) * width
+      ax.bar(x, r["tflops"] if ok else 0, width, color=color, hatch="//" * ("@" in r["label"]),
+             edgecolor="white", label=r["label"] if r["shape"] == shapes[0] else None)
       if not ok:
         ax.text(x, top * 0.01, STATUS_TEXT.get(r["status"], r["status"]), rotation=90,
                 ha="center", va="bottom", fontsize=7, color=color)

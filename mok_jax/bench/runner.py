@@ -37,19 +37,20 @@ class Options:
   shapes: list[Shape]
   impls: str  # --impls text; "" for the platform's defaults
   modes: list[str]
-  knobs: dict  # what every job gets: seed, skew, ep, ep_transport and timing's (__main__.KNOBS)
+  knobs: dict  # every job's: seed, skew, ep, ep_transport, run_precision, timing's (__main__.KNOBS)
   mode_timeout_s: float
   log_dir: str  # the workers' logs
 
 
-def make_job(opts: Options, impl: str, shape: Shape | None) -> dict:
-  return {"kind": "moe" if shape else "peak", "impl": impl, "modes": list(opts.modes) if shape
-          else ["dense"], "shape": dataclasses.asdict(shape) if shape else None, **opts.knobs}
+def make_job(opts: Options, impl: str, shape: Shape | None, precision: str = "bf16") -> dict:
+  return {"kind": "moe" if shape else "peak", "impl": impl, "precision": precision, "modes":
+          list(opts.modes) if shape else ["dense"], "shape": dataclasses.asdict(shape) if shape
+          else None, **opts.knobs}
 
 
 def worker_env(impl: str) -> dict:
   env = dict(os.environ, PYTHONUNBUFFERED="1")
-  if impl == "torch._grouped_mm":
+  if impl.startswith("torch."):
     env["JAX_PLATFORMS"] = "cpu"  # JAX only routes there; the GPU is torch's
   else:  # torch's peer may use all of the GPU's memory, so JAX's share (0.75 by default) nears it
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.90")
@@ -168,9 +169,9 @@ def run(opts: Options, on_record=lambda record: None) -> list[dict]:
   progress(f"mok_jax.bench run {run_id}: {len(opts.shapes)} shape(s), modes "
            f"{', '.join(opts.modes)}, a fresh process per job, logs in {opts.log_dir}")
 
-  def emit(event, impl, shape, label=None):
+  def emit(event, impl, shape, label=None, precision="bf16"):
     raw, seen, env = event["record"], event.get("device") or {}, worker_env(impl)
-    if seen and not device and impl != "torch._grouped_mm":
+    if seen and not device and not impl.startswith("torch."):
       device.update(seen)
     r = {"kind": "moe" if shape else "peak", **base, "impl": impl,
          "device": seen.get("name") or device.get("name"),
@@ -178,9 +179,9 @@ def run(opts: Options, on_record=lambda record: None) -> list[dict]:
          "mode_wall_s": event.get("mode_wall_s"), "env": {k: env[k] for k in ENV_VARS if k in env}}
     if shape:
       r.update(shape=shape.name, T=shape.T, H=shape.H, I=shape.I, E=shape.E, k=shape.k,
-               flops=shape.flops(raw["mode"]))
+               precision=precision, flops=shape.flops(raw["mode"]))  # FLOPs as bf16's
     r.update(raw)
-    r.setdefault("dtype", shapes.dtype_for(r["platform"] or "gpu"))
+    r.setdefault("dtype", shapes.dtype_for(r["platform"] or "gpu", opts.knobs["run_precision"]))
     out.append(r)
     on_record(r)
     if label:
@@ -193,11 +194,12 @@ def run(opts: Options, on_record=lambda record: None) -> list[dict]:
   progress(f"[peak] {device.get('name', '?')} ({device.get('platform') or 'platform unknown'}): "
            f"dense {peak.get('dtype')} {peak.get('n', opts.knobs['peak_n'])}^3 {_brief(peak)}")
   # Without the peak's platform (its worker died), every backend: each says whether it can run.
-  impls = shapes.resolve_impls(opts.impls, device.get("platform") or "any")
-  cases = [(shape, impl) for shape in opts.shapes for impl in impls]
-  for n, (shape, impl) in enumerate(cases, 1):
-    label = f"[{n}/{len(cases)}] {shape.name} {impl}"
-    execute(opts, make_job(opts, impl, shape), f"{shape.name}.{impl}",
-            lambda event, i=impl, s=shape, l=label: emit(event, i, s, l))
+  cases = [(shape, *impl) for shape in opts.shapes for impl in shapes.resolve_impls(
+      opts.impls, device.get("platform") or "any", opts.knobs["run_precision"])]
+  for n, (shape, impl, p) in enumerate(cases, 1):
+    name = shapes.label(impl, p)
+    label = f"[{n}/{len(cases)}] {shape.name} {name}"
+    execute(opts, make_job(opts, impl, shape, p), f"{shape.name}.{name}",
+            lambda event, i=impl, s=shape, l=label, p=p: emit(event, i, s, l, p))
   progress(f"run {run_id} took {time.perf_counter() - t_run:.0f} s")
   return out

@@ -6,11 +6,16 @@ from __future__ import annotations
 import dataclasses
 
 MODES = ("fwd", "fwd+bwd")
-# In the table's and the chart's order; each has an alias (cuda, xla, ffi, jax, tokamax, torch).
+PRECISIONS = ("bf16", "fp8")
+# The table's and the chart's order; aliases cuda, xla, ffi, jax, tokamax, torch (by precision).
 IMPLS = ("mok_jax:cuda", "mok_jax:xla", "mok_jax:ffi", "jax.ragged_dot", "tokamax.ragged_dot",
-         "torch._grouped_mm")
-ALIASES = {name.split(":")[-1].split(".")[0]: name for name in IMPLS}
+         "torch._grouped_mm", "torch._scaled_grouped_mm")
+_alias = lambda name: name.split(":")[-1].split(".")[0]
+ALIASES = {_alias(name): tuple(n for n in IMPLS if _alias(n) == _alias(name)) for name in IMPLS}
 PEERS = tuple(name for name in IMPLS if not name.startswith("mok_jax:"))
+# What each runs at: mok_jax by its Config.precision, tokamax.ragged_dot's fp8 on qwix.QArrays.
+RUNS_AT = {**dict.fromkeys(IMPLS, PRECISIONS), "jax.ragged_dot": ("bf16",),
+           "torch._grouped_mm": ("bf16",), "torch._scaled_grouped_mm": ("fp8",)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,10 +53,16 @@ SHAPES = {s.name: s for s in (
 # Seconds on a 2-core CPU (f32). About 32 routes an expert, fewer than a 128-row tile, as in the
 # large shapes with many experts; H and I multiples of 64, so the CUDA kernel takes it too.
 TINY = (Shape("tiny", 128, 64, 64, 16, 4),)
+TINY_FP8 = (Shape("tiny_fp8", 128, 128, 128, 16, 4),)  # FP8's 128-blocks: H and I of 128
 
 
-def dtype_for(platform: str) -> str:
-  return "bf16" if platform == "gpu" else "f32"
+def dtype_for(platform: str, precision: str = "bf16") -> str:  # precision: --precision
+  return "bf16" if platform == "gpu" or precision != "bf16" else "f32"  # FP8 quantizes bf16
+
+
+def label(impl: str, precision: str) -> str:
+  """An implementation at a precision, as --impls takes it and the table shows it."""
+  return impl if precision == "bf16" else f"{impl}@{precision}"
 
 
 def parse_shape(text: str) -> Shape:
@@ -62,9 +73,9 @@ def parse_shape(text: str) -> Shape:
   return Shape("custom_" + "_".join(map(str, dims)), *dims)
 
 
-def select(names: str | None, custom: list[str], tiny: bool) -> list[Shape]:
-  """--tiny, then the named shapes, then --shape ones; all named shapes if none is given."""
-  chosen = list(TINY) if tiny else []
+def select(names: str | None, custom: list[str], tiny: bool, precision: str = "bf16"):
+  """--tiny (TINY_FP8 at fp8), the named shapes, the --shape ones; all named if none is given."""
+  chosen = list(TINY if precision == "bf16" else TINY_FP8) if tiny else []
   for name in (n.strip() for n in (names or "").split(",") if n.strip()):
     if name not in SHAPES:
       raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
@@ -72,17 +83,21 @@ def select(names: str | None, custom: list[str], tiny: bool) -> list[Shape]:
   return chosen + [parse_shape(text) for text in custom] or list(SHAPES.values())
 
 
-def default_impls(platform: str) -> list[str]:
-  """On a GPU "ffi" is the CUDA kernel too, on a CPU the C++ targets; elsewhere every backend."""
-  mine = {"gpu": ["mok_jax:cuda", "mok_jax:xla"], "cpu": ["mok_jax:xla", "mok_jax:ffi"]}
-  return mine.get(platform, [name for name in IMPLS if name not in PEERS]) + list(PEERS)
-
-
-def resolve_impls(names: str, platform: str) -> list[str]:
-  """--impls text (names or aliases; empty: the platform's defaults) -> names."""
-  chosen = [ALIASES.get(n.strip(), n.strip()) for n in names.split(",") if n.strip()]
-  for name in chosen:
-    if name not in IMPLS:
-      raise ValueError(f"unknown implementation {name!r}; known: {', '.join(IMPLS)} "
-                       f"(aliases: {', '.join(ALIASES)})")
-  return list(dict.fromkeys(chosen)) or default_impls(platform)
+def resolve_impls(names: str, platform: str, precision: str = "bf16") -> list[tuple[str, str]]:
+  """--impls text (names or aliases at --precision, or NAME@P at P) -> (name, precision); empty:
+  the platform's mok_jax backends (on a GPU "ffi" is the CUDA kernel too, on a CPU the C++
+  targets) and the peers at it. At fp8 the first mok_jax backend's bf16 layer comes last."""
+  chosen = []
+  for text in filter(None, map(str.strip, names.split(","))):
+    name, _, at = text.partition("@")
+    runs = [n for n in ALIASES.get(name, (name,)) if (at or precision) in RUNS_AT.get(n, ())]
+    if not runs:
+      raise ValueError(f"no implementation {text!r} at {at or precision}; known: " + ", ".join(
+          f"{n} ({'/'.join(RUNS_AT[n])})" for n in IMPLS) + f"; aliases: {', '.join(ALIASES)}")
+    chosen.append((runs[0], at or precision))
+  if not chosen:
+    mine = {"gpu": ["mok_jax:cuda", "mok_jax:xla"], "cpu": ["mok_jax:xla", "mok_jax:ffi"]}
+    chosen = [(name, precision) for name in mine.get(platform, [n for n in IMPLS if n not in PEERS])
+              + [n for n in PEERS if precision in RUNS_AT[n]]]
+  first = [name for name, _ in chosen if name not in PEERS][:1] if precision != "bf16" else []
+  return list(dict.fromkeys(chosen + [(name, "bf16") for name in first]))
