@@ -278,7 +278,8 @@ def assert_product_close(got, a, b, eta, what):
   want, size = a @ b, np.abs(a) @ np.abs(b)
   excess = np.abs(f64(got) - want) - (BF16_ROUNDING * np.abs(want) +
                                       (1 + BF16_ROUNDING) * eta * size)
-  assert (excess <= 0).all(), f"{what}: {np.count_nonzero(excess > 0)} beyond, worst {excess.max():.3g}"
+  assert (excess <= 0).all(), (f"{what}: {np.count_nonzero(excess > 0)} beyond their bound, "
+                               f"the worst by {excess.max():.3g}")
 
 
 def combine64(rows, pos, weights, extra=None):
@@ -306,8 +307,8 @@ def check_outputs(case, y, buffers, qs, shared, eta):
   k = case.experts.shape[1]
   excess = np.abs(f64(y) - want) - (BF16_ROUNDING * np.abs(want) +
                                     (k + 2) * 2.0**-24 * size)
-  assert (excess <= 0).all(), (f"y against the combine of y_routed: {np.count_nonzero(excess > 0)}"
-                               f" beyond, worst {excess.max():.3g}")
+  assert (excess <= 0).all(), (f"y against the combine of y_routed: "
+                               f"{np.count_nonzero(excess > 0)} beyond, worst {excess.max():.3g}")
 
 
 def reference_flips(h, tol, data, scale):
@@ -486,6 +487,16 @@ def check_against_reference(case, block_m):
 
 def random_case(T, H, I, E, k, Is, seed, experts=None):
   return make_case(T, H, I, E, k, Is=Is or None, dtype=BF16, seed=seed, experts=experts)
+
+
+def promotion_case(T=48, H=256, I=256, E=2, k=2, seed=3):
+  """A random case whose x has, in its first 128-block, one value (1024, the block's amax) and
+  zeros: that block's sums are one exact product, larger than the rest of the row's, so a
+  missing promotion shows as the truncation of every later add at that product's scale."""
+  case = random_case(T, H, I, E, k, 0, seed)
+  x = f64(case.x)
+  x[:, :BLOCK], x[:, 0] = 0, 1024
+  return case._replace(x=jnp.asarray(x, BF16))
 
 
 def fp8_routing(name, T, E, k, seed=1):
