@@ -1,6 +1,8 @@
 """The CUDA FP8 forward (mok_moe_fwd_fp8 on platform CUDA: moe with Config(precision="fp8") on
 backend "cuda") against NumPy and the XLA reference, with the checks and tolerances of
-tests/fp8_cases.py (the C++ CPU target passes the same checks in tests/test_fp8.py).
+tests/fp8_cases.py, whose sums' bound is the tensor cores' (fp8_cases.ETA_TENSOR_CORES, on
+platform gpu; the C++ CPU target passes the same checks with f32 sums' in tests/test_fp8.py, and
+tests/test_fp8_accumulation.py runs them on an emulation of the tensor cores' sums).
 
 In order of diagnosis: one tile of products chosen to be exact (a failure there is the GEMM, the
 scales' layout or the quantizers, against NumPy's bits); then random cases, routings and
@@ -67,6 +69,14 @@ def test_adversarial_routing(name):
                                     64)
 
 
+@pytest.mark.parametrize("block_m", ops.CUDA_BLOCK_MS)
+def test_sums_are_promoted_every_k_block(block_m):
+  """x's first 128-block one exact product larger than the rest of its row: sums that ran past
+  that block in the tensor cores would truncate every later add at its scale (the emulation's
+  no_promotion bug fails the hq scales by 1%, tests/test_fp8_accumulation.py)."""
+  fp8_cases.check_against_reference(fp8_cases.promotion_case(), block_m)
+
+
 def _used(buffers):
   """The buffers' rows that the call defines: routed rows past offsets[E] are never written."""
   used = int(buffers.offsets[-1])
@@ -89,14 +99,18 @@ def test_bitwise_deterministic(block_m):
 
 @pytest.mark.parametrize("block_m", ops.CUDA_BLOCK_MS)
 def test_layer_and_gradients(block_m):
-  """y within flips of the XLA backend's; the gradients are the XLA reference's backward (after
-  its own forward, recomputed), so they differ from the XLA backend's only where XLA compiled
-  that forward differently (an ulp in h may flip one of its e4m3 values)."""
+  """y: the bits of moe_fwd_fp8 on the same weights, whose buffers pass every stage's check
+  (fp8_cases.check_target) against the XLA backend's y; the gradients are the XLA reference's
+  backward (after its own forward, recomputed, in XLA: no tensor-core sums), so they differ from
+  the XLA backend's only where XLA compiled that forward differently (an ulp in h may flip one
+  of its e4m3 values): assert_fp8_close."""
   case = make_case(T=600, H=256, I=384, E=8, k=2, Is=128, dtype=BF16, seed=9)
   config = mok_jax.Config(block_m=block_m, precision="fp8")
   y, grads = loss_and_grads(case, "cuda", config)
   want_y, want = loss_and_grads(case, "xla", config)
-  fp8_cases.assert_fp8_close(y, want_y, "y")
+  target = fp8_cases.run_target(case, block_m)
+  assert_same_bits(y, target[0], "y of the layer and of moe_fwd_fp8")
+  fp8_cases.check_target(case, *target, want_y)
   for name in want:
     fp8_cases.assert_fp8_close(grads[name], want[name], f"d{name}")
 
