@@ -368,17 +368,24 @@ def cuda_digests() -> dict:
 
 
 @functools.cache
-def cuda_digests_with(xla_flags: str) -> dict:
-  """cuda_digests() in a fresh process with XLA_FLAGS=xla_flags (XLA reads them once,
-  when JAX starts its backends); one process per flags for the forward and the backward
-  tests."""
-  env = dict(os.environ, XLA_FLAGS=xla_flags)
-  here = os.path.dirname(os.path.abspath(__file__))  # for `import cases`
-  code = "import json, cases; print(json.dumps(cases.cuda_digests()))"
-  done = subprocess.run([sys.executable, "-c", code], env=env, cwd=here, capture_output=True,
-                        text=True, timeout=600)
+def in_fresh_process(function: str, xla_flags: str, **env):
+  """The JSON result of `function` ("module.name", a module of tests/) called in a fresh
+  process with XLA_FLAGS=xla_flags (XLA reads them once, when JAX starts its backends) and the
+  other environment variables `env`; cached, so that each (function, flags) runs once."""
+  module = function.rsplit(".", 1)[0]
+  here = os.path.dirname(os.path.abspath(__file__))  # for `import module`
+  code = f"import json, {module}; print(json.dumps({function}()))"
+  done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, XLA_FLAGS=xla_flags,
+                                                               **env),
+                        cwd=here, capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, f"XLA_FLAGS={xla_flags}: {done.stderr[-4000:]}"
   return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def cuda_digests_with(xla_flags: str) -> dict:
+  """cuda_digests() in a fresh process with XLA_FLAGS=xla_flags; one process per flags for the
+  forward and the backward tests."""
+  return in_fresh_process("cases.cuda_digests", xla_flags)
 
 
 def sanitizer_cases(small_only: bool = False):

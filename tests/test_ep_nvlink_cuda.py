@@ -12,10 +12,6 @@ GPUs (`multigpu`): EP = 2, 4, 8 over real GPUs, and two EP groups of a (dp, ep) 
 from __future__ import annotations
 
 import functools
-import json
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -25,8 +21,9 @@ from jax.sharding import PartitionSpec as P
 
 import mok_jax
 from cases import (BF16, COMMAND_BUFFER_FLAGS, NO_COMMAND_BUFFER_FLAGS, REPLAYS, assert_ep_bits,
-                   assert_same_bits, digest, distinct_experts, loss_and_grads, make_case,
-                   mesh_of, named_grads, sharded_grad_fn, sharded_loss_and_grads)
+                   assert_same_bits, digest, distinct_experts, in_fresh_process,
+                   loss_and_grads, make_case, mesh_of, named_grads, sharded_grad_fn,
+                   sharded_loss_and_grads)
 from mok_jax import ep_transport
 
 pytestmark = pytest.mark.gpu
@@ -176,19 +173,9 @@ def nvlink_digests() -> dict:
   return {"runs": runs, "lowered": "mok_ep_dispatch" in f.lower(*case.params()).as_text()}
 
 
-def digests_with(xla_flags: str) -> dict:
-  env = dict(os.environ, XLA_FLAGS=xla_flags)
-  here = os.path.dirname(os.path.abspath(__file__))
-  code = "import json, test_ep_nvlink_cuda as t; print(json.dumps(t.nvlink_digests()))"
-  done = subprocess.run([sys.executable, "-c", code], env=env, cwd=here, capture_output=True,
-                        text=True, timeout=600)
-  assert done.returncode == 0, f"XLA_FLAGS={xla_flags}: {done.stderr[-4000:]}"
-  return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def test_same_bits_with_command_buffers():
-  plain = digests_with(NO_COMMAND_BUFFER_FLAGS)
-  graphs = digests_with(COMMAND_BUFFER_FLAGS)
+  plain = in_fresh_process("test_ep_nvlink_cuda.nvlink_digests", NO_COMMAND_BUFFER_FLAGS)
+  graphs = in_fresh_process("test_ep_nvlink_cuda.nvlink_digests", COMMAND_BUFFER_FLAGS)
   assert plain["lowered"] and graphs["lowered"]
   assert plain["runs"] == [plain["runs"][0]] * REPLAYS, plain
   assert graphs["runs"] == plain["runs"]

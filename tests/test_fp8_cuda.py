@@ -13,10 +13,6 @@ quantize_experts' weights against bf16 weights; determinism, with and without CU
 from __future__ import annotations
 
 import functools
-import json
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +22,8 @@ import pytest
 import fp8_cases
 import mok_jax
 from cases import (BF16, COMMAND_BUFFER_FLAGS, CUDA_ROUTINGS, NO_COMMAND_BUFFER_FLAGS, REPLAYS,
-                   assert_same_bits, cuda_routing, digest, loss_and_grads, make_case,
-                   named_grads)
+                   assert_same_bits, cuda_routing, digest, in_fresh_process, loss_and_grads,
+                   make_case, named_grads)
 from mok_jax import ops
 
 pytestmark = pytest.mark.gpu
@@ -161,22 +157,12 @@ def fp8_digests() -> dict:
   return out
 
 
-@functools.cache
-def fp8_digests_with(xla_flags: str) -> dict:
-  """fp8_digests() in a fresh process with XLA_FLAGS=xla_flags (XLA reads them once)."""
-  env = dict(os.environ, XLA_FLAGS=xla_flags, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-  here = os.path.dirname(os.path.abspath(__file__))
-  code = "import json, test_fp8_cuda; print(json.dumps(test_fp8_cuda.fp8_digests()))"
-  done = subprocess.run([sys.executable, "-c", code], env=env, cwd=here, capture_output=True,
-                        text=True, timeout=600)
-  assert done.returncode == 0, f"XLA_FLAGS={xla_flags}: {done.stderr[-4000:]}"
-  return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def test_same_bits_with_command_buffers():
   """The forward captured into CUDA graphs and replayed gives the bits of the plain one."""
-  plain = fp8_digests_with(NO_COMMAND_BUFFER_FLAGS)
-  graphs = fp8_digests_with(COMMAND_BUFFER_FLAGS)
+  digests = functools.partial(in_fresh_process, "test_fp8_cuda.fp8_digests",
+                              XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  plain = digests(NO_COMMAND_BUFFER_FLAGS)
+  graphs = digests(COMMAND_BUFFER_FLAGS)
   for block_m, runs in plain.items():
     assert runs == [runs[0]] * REPLAYS, (block_m, runs)
   assert graphs == plain
