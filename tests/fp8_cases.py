@@ -344,8 +344,7 @@ def check_end_to_end(case, y, buffers, qs, shared, want, eta):
   flips_s = bound_s = acc_s = None
   for m in mlps(case, buffers, qs, shared):
     K, I = m.gate.data.shape
-    h, _ = numpy_hidden(m.xq, m.xq_scale, m.gate, m.up, 0.0)
-    _, tol_ref = numpy_hidden(m.xq, m.xq_scale, m.gate, m.up, K * REFERENCE_ETA_PER_K)
+    h, tol_ref = numpy_hidden(m.xq, m.xq_scale, m.gate, m.up, K * REFERENCE_ETA_PER_K)
     data, scale = numpy_quantize(h.astype(np.float32), (1, BLOCK))
     hq_np = dequantize_rows(data, scale.T)
     hq = dequantize_rows(m.hq, m.hq_scale)
