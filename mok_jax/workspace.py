@@ -325,8 +325,13 @@ def _raise_for(status: str, message: str, nbytes: int, where: str) -> None:
 
 
 def _this_process() -> int:
+  """This process's index: jax.distributed's process id where it runs (the process_index of
+  its devices), else jax.process_index()."""
   import jax
+  from jax._src import distributed
 
+  if distributed.global_state.client is not None:
+    return int(distributed.global_state.process_id)
   return jax.process_index()
 
 

@@ -24,7 +24,6 @@ CHILD = textwrap.dedent("""
     p, port = int(sys.argv[1]), int(sys.argv[2])
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
                                process_id=p, initialization_timeout=60)
-    assert jax.process_index() == p, jax.process_index()
     from jax._src import distributed
     from mok_jax import ops, Workspace
     m, kv = ops._mok_cuda, distributed.global_state.client
