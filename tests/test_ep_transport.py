@@ -492,3 +492,21 @@ def test_wrappers_check_their_inputs():
   with pytest.raises(ValueError, match=r"ep_combine: out_dtype must be bfloat16 or float32"):
     ep_transport.combine(jnp.zeros((8, 16), BF16), None, received, jnp.zeros((4, 2), jnp.int32),
                          None, None, axis_name="ep", out_dtype=jnp.float16)
+
+
+def test_a_process_creates_the_workspaces_of_its_groups_only(monkeypatch):
+  """Across processes, the handles of a call are those of the EP groups that hold a GPU of
+  this process (process 0 here): the other groups' workspaces are their processes'."""
+  gpu = lambda p, g: types.SimpleNamespace(platform="gpu", process_index=p,  # noqa: E731
+                                           local_hardware_id=g)
+  groups = ((gpu(0, 0), gpu(1, 0)), (gpu(2, 0), gpu(3, 0)), (gpu(0, 1), gpu(1, 1)))
+  monkeypatch.setattr(ep_transport, "ep_groups", lambda mesh, axis_name: groups)
+  asked = []
+  monkeypatch.setattr(ep_transport, "_workspace_for",
+                      lambda devices, nbytes: asked.append(devices) or len(asked))
+  lay = Workspace.layout(4, 64, 2, 4, 2)
+  assert list(ep_transport._workspace_handles(None, "ep", lay)) == [1, 2]
+  assert asked == [groups[0], groups[2]]
+  far = ((gpu(2, 0), gpu(3, 0)),)
+  monkeypatch.setattr(ep_transport, "ep_groups", lambda mesh, axis_name: far)
+  assert list(ep_transport._workspace_handles(None, "ep", lay)) == [ep_transport.NO_WORKSPACE]
