@@ -5,9 +5,9 @@
 //                    rank's slots (LaunchEpCombine)
 // Both take the workspaces of the layer's EP groups as handles (attribute `workspaces`, one a
 // group) and the byte layout of a segment (attribute `layout`, EpLayout's fields in order,
-// from mok_jax.Workspace.layout). A call's rank is the place of its GPU (the device of XLA's
-// stream) in the workspace that holds that GPU; every other size comes from the buffers'
-// shapes. Kernels only, on XLA's stream, with the rounds counted on the device: the handlers
+// from mok_jax.Workspace.layout). A call's rank is the place of its GPU (the FFI context's
+// device ordinal) among this process's ranks of the workspace that holds that GPU; every
+// other size comes from the buffers' shapes. Kernels only, on XLA's stream, with the rounds counted on the device: the handlers
 // carry kCmdBufferCompatible.
 #include <cuda_runtime_api.h>
 
@@ -51,7 +51,10 @@ ffi::ErrorOr<int> CtasOf(int device) {
 // that Workspace.get records: local_hardware_id) among `handles` and its rank there, into a's
 // ranks, rank, peers, own, ctas, layout and wait bound. The ordinal comes from the FFI
 // context, not from the stream: under XLA's command buffers the handler runs while the stream
-// is capturing, where cudaStreamGetDevice is not permitted.
+// is capturing, where cudaStreamGetDevice is not permitted. A rank is named by (process,
+// GPU): this process's registry records the ordinal of each of its own ranks and -1 for the
+// ranks of other processes (a workspace across processes), so the ordinal finds this
+// process's rank even where another process's rank is on a GPU of the same ordinal.
 ffi::Error BindWorkspace(const char* target, int32_t device,
                          ffi::Span<const int64_t> handles, ffi::Span<const int64_t> layout,
                          cuda::EpTransportArgs* a) {
@@ -80,7 +83,7 @@ ffi::Error BindWorkspace(const char* target, int32_t device,
                                "freed since); ep_transport='nvlink' needs shard_map over a "
                                "jax.sharding.Mesh of this process's GPUs when it is lowered");
   const int P = static_cast<int>(ws.ranks.size());
-  if (P > 1 && ws.ranks.front().device == ws.ranks.back().device)
+  if (P > 1 && ws.stride != 0)
     return Invalid(target, "the workspace puts all " + std::to_string(P) + " ranks on GPU " +
                                std::to_string(device) + ": XLA runs one rank a GPU (several "
                                "ranks on one GPU are the self-test's)");

@@ -256,6 +256,10 @@ std::string EpTransportSelftest(const EpSelftestArgs& in, EpSelftestResult* resu
     return "the layout needs " + std::to_string(in.layout.bytes) + " bytes a rank, the workspace "
            "has " + std::to_string(ws.bytes);
   if (!in.x || !in.experts || !in.scales) return "x, experts and scales are required";
+  for (const WorkspaceRank& r : ws.ranks) {
+    if (r.device < 0) return "the self-test runs the ranks of one process: the workspace has "
+                             "ranks of other processes";
+  }
   const Sizes z{P, in.T, in.H, in.k, in.C, in.E / P, in.rounds};
 
   std::map<int, int> on_device;

@@ -100,7 +100,51 @@ NB_MODULE(_mok_cuda, m) {
     return can != 0;
   }, nb::arg("device"), nb::arg("peer"),
   "Whether GPU `device` can map GPU `peer`'s memory (cudaDeviceCanAccessPeer).");
+  // (handle, status, message, handles): this process's segments of a workspace across
+  // processes (devices: an ordinal for each of this process's ranks, -1 for the others'),
+  // allocated, zeroed and exported; handles[s] is rank s's CUDA IPC handle (b"" for the ranks
+  // of other processes).
+  m.def("workspace_export", [](const std::vector<int>& devices, int64_t bytes) {
+    int64_t handle = 0;
+    std::string message;
+    std::vector<std::string> exported;
+    const auto status = mok::cuda::WorkspaceExport(devices, bytes, &handle, &exported, &message);
+    nb::list handles;
+    for (const std::string& h : exported) handles.append(nb::bytes(h.data(), h.size()));
+    return std::make_tuple(handle, std::string(StatusName(status)), message, handles);
+  });
+  // (status, message): the other processes' segments mapped (handles[q]: rank q's, from its
+  // process's workspace_export; ignored for this process's ranks) and the tables written.
+  m.def("workspace_import", [](int64_t handle, const nb::list& handles) {
+    std::vector<std::string> imported;
+    for (nb::handle h : handles) {
+      const nb::bytes b = nb::cast<nb::bytes>(h);
+      imported.emplace_back(b.c_str(), b.size());
+    }
+    std::string message;
+    const auto status = mok::cuda::WorkspaceImport(handle, imported, &message);
+    return std::make_tuple(std::string(StatusName(status)), message);
+  });
+  m.def("workspace_close", [](int64_t handle) { return mok::cuda::WorkspaceClose(handle); });
   m.def("workspace_free", [](int64_t handle) { return mok::cuda::WorkspaceFree(handle); });
+  m.def("workspace_write", [](int64_t handle, int rank, int peer, int64_t offset,
+                              const nb::bytes& data) {
+    std::string host(data.c_str(), data.size());
+    const std::string err = mok::cuda::WorkspaceCopy(handle, rank, peer, offset, host.data(),
+                                                     static_cast<int64_t>(host.size()), true);
+    if (!err.empty()) throw std::invalid_argument("workspace_write: " + err);
+  }, nb::arg("handle"), nb::arg("rank"), nb::arg("peer"), nb::arg("offset"), nb::arg("data"),
+  "Writes `data` at `offset` of rank `peer`'s segment through the address this process's rank "
+  "`rank` maps it at (tests and debugging).");
+  m.def("workspace_read", [](int64_t handle, int rank, int peer, int64_t offset, int64_t size) {
+    std::string host(static_cast<size_t>(size < 0 ? 0 : size), '\0');
+    const std::string err = mok::cuda::WorkspaceCopy(handle, rank, peer, offset, host.data(),
+                                                     size, false);
+    if (!err.empty()) throw std::invalid_argument("workspace_read: " + err);
+    return nb::bytes(host.data(), host.size());
+  }, nb::arg("handle"), nb::arg("rank"), nb::arg("peer"), nb::arg("offset"), nb::arg("size"),
+  "`size` bytes at `offset` of rank `peer`'s segment, read through the address this process's "
+  "rank `rank` maps it at (tests and debugging).");
   m.def("workspace_info", [](int64_t handle) {
     mok::cuda::WorkspaceInfo info;
     if (!mok::cuda::WorkspaceLookup(handle, &info))
@@ -115,6 +159,13 @@ NB_MODULE(_mok_cuda, m) {
     nb::dict d;
     d["bytes"] = info.bytes, d["stride"] = info.stride, d["devices"] = devices;
     d["bases"] = bases, d["peers"] = peers;
+    nb::list tables;
+    for (const auto& t : info.tables) {
+      std::vector<uintptr_t> row;
+      for (void* p : t) row.push_back(reinterpret_cast<uintptr_t>(p));
+      tables.append(nb::cast(row));
+    }
+    d["tables"] = tables;
     return d;
   });
 

@@ -38,6 +38,7 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
+from jax._src import distributed
 from jax.interpreters import mlir
 
 from mok_jax import ops, reference
@@ -90,9 +91,9 @@ def unavailable_reason(dtype, H: int, n_local: int, n_ranks: int) -> str | None:
   or None. The caller has checked that the CUDA kernels run the layer (a Hopper GPU)."""
   if not all(ops.has_cuda_target(t) for t in TARGETS):
     return "mok_jax was installed without its CUDA module (no CUDA compiler found at build time)"
-  if jax.process_count() > 1:
-    return (f"the JAX job has {jax.process_count()} processes: a workspace across processes "
-            "needs CUDA IPC or fabric handles, which mok_jax does not implement yet")
+  if jax.process_count() > 1 and distributed.global_state.client is None:
+    return (f"the JAX job has {jax.process_count()} processes but no jax.distributed client, "
+            "through whose key-value store the workspace's CUDA IPC handles are exchanged")
   if jnp.dtype(dtype) != DTYPE:
     return f"the transport moves {DTYPE} rows, got {jnp.dtype(dtype)}"
   if H * DTYPE.itemsize % ROW_BYTES:
@@ -105,6 +106,22 @@ def unavailable_reason(dtype, H: int, n_local: int, n_ranks: int) -> str | None:
             f"{n_local}")
   if n_ranks > 1:
     return _peer_problem()
+  return None
+
+
+def auto_declines() -> str | None:
+  """Why Config.ep_transport "auto" picks the collective transport even where
+  `unavailable_reason` is None, or None.
+
+  Across processes: whether every rank is reachable (the processes on one host, their GPUs
+  peers) is known only once the workspace's handles are exchanged, which happens when the
+  program is lowered, after the transport has been picked; and an EP group across hosts needs
+  fabric handles, which mok_jax does not build. So "auto" keeps XLA's collectives there and
+  "nvlink" opts in."""
+  if jax.process_count() > 1:
+    return (f"the JAX job has {jax.process_count()} processes: 'auto' keeps XLA's collectives "
+            "across processes; ep_transport='nvlink' maps the workspace through CUDA IPC "
+            "between the processes of one host")
   return None
 
 
@@ -218,20 +235,28 @@ def ep_groups(mesh, axis_name) -> tuple[tuple, ...] | None:
 
 
 def _workspace_handles(mesh, axis_name, layout: WorkspaceLayout) -> np.ndarray | None:
-  """The workspace of each EP group of `mesh` (`ep_groups`), created on first use; None for a
-  mesh without devices; [NO_WORKSPACE] for a mesh of devices that are not this process's GPUs
-  (a program lowered for another machine: jax.export), which the handler reports if it runs."""
+  """The workspace of each EP group of `mesh` (`ep_groups`) that holds a GPU of this process,
+  created on first use (with the other processes of the group, for a group across
+  processes); None for a mesh without devices; [NO_WORKSPACE] for a mesh without GPUs of
+  this process (a program lowered for another machine: jax.export), which the handler
+  reports if it runs."""
   groups = ep_groups(mesh, axis_name)
   if groups is None:
     return None
-  if not _this_process_gpus([d for g in groups for d in g]):
+  if not _gpus_of_this_process(groups):
     return np.array([NO_WORKSPACE], np.int64)
-  return np.array([_workspace_for(g, layout.bytes) for g in groups], np.int64)
-
-
-def _this_process_gpus(devices) -> bool:
   here = jax.process_index()
-  return all(d.platform == "gpu" and d.process_index == here for d in devices)
+  return np.array([_workspace_for(g, layout.bytes) for g in groups
+                   if any(d.process_index == here for d in g)], np.int64)
+
+
+def _gpus_of_this_process(groups) -> bool:
+  """Whether the groups are GPUs and some hold a GPU of this process (a process creates the
+  workspaces of the groups that hold its GPUs, with the other processes of each group)."""
+  here = jax.process_index()
+  devices = [d for g in groups for d in g]
+  return (all(d.platform == "gpu" for d in devices)
+          and any(d.process_index == here for d in devices))
 
 
 def _workspace_for(devices, nbytes) -> int:

@@ -228,14 +228,15 @@ class FfiPieces(NamedTuple):
 
 def transport(config: Config, pieces, dtype, H: int, n_local: int, n_ranks: int) -> str:
   """The transport that moves the routed rows: Config.ep_transport, with "auto" resolved to
-  "nvlink" where the NVLink transport can run (the CUDA kernels of one process's GPUs that
-  reach each other's memory) and to "collective" elsewhere; "nvlink" where it cannot is an
+  "nvlink" where the NVLink transport can run on the GPUs of one process (the CUDA kernels,
+  GPUs that reach each other's memory) and to "collective" elsewhere (several processes
+  included: ep_transport.auto_declines); "nvlink" where it cannot is an
   error saying why."""
   if config.ep_transport == "collective":
     return "collective"
   problem = nvlink_problem(pieces, dtype, H, n_local, n_ranks)
   if config.ep_transport == "auto":
-    return "collective" if problem else "nvlink"
+    return "collective" if problem or ep_transport.auto_declines() else "nvlink"
   if problem:
     raise ValueError(f"moe: Config(ep_transport='nvlink') cannot run here: {problem}. Use "
                      "ep_transport='collective' (XLA's all-to-all), or 'auto', which picks it "

@@ -5,7 +5,9 @@ the routed rows of `mok_jax.expert_parallel` with plain stores into the memory o
 needs them. That memory is the workspace: one segment a rank, the same size and byte layout on
 every rank, each segment reachable from every other rank's kernels. It is allocated by the CUDA
 module (ffi/workspace_cuda.cc) outside XLA's memory, once per (devices, bytes), cached, and
-freed when the process exits.
+freed when the process exits; across processes of one host, each process allocates its own
+ranks' segments and maps the others' through CUDA IPC handles exchanged over
+jax.distributed's key-value store.
 
 Its byte layout (`Workspace.layout`) is computed here and only here; the kernels get the
 offsets (cuda/ep_transport.h, EpLayout), and the CUDA side checks them against its shapes.
@@ -14,7 +16,9 @@ offsets (cuda/ep_transport.h, EpLayout), and the CUDA side checks them against i
 from __future__ import annotations
 
 import atexit
+import json
 import operator
+import socket
 import threading
 from typing import Any, NamedTuple, Sequence
 
@@ -36,6 +40,15 @@ _MEM_FRACTION_HINT = (
     "default 0.75): leave room for the workspace by setting XLA_PYTHON_CLIENT_MEM_FRACTION lower "
     "(for example 0.6) or XLA_PYTHON_CLIENT_PREALLOCATE=false before JAX initialises its GPUs, "
     "or bound the receive rows with Config.ep_capacity")
+
+
+# How long a process waits for another process's step of a workspace across processes (its
+# handles, its mappings, its closing) before it fails naming who and what it waited for.
+EXCHANGE_TIMEOUT_MS = 120_000
+# How long the exit handler waits for the other processes to unmap this process's segments
+# before it leaves them to the process's teardown (the driver frees them then).
+EXIT_TIMEOUT_MS = 10_000
+KEY_PREFIX = "mok_jax/workspace"  # of the keys in jax.distributed's key-value store
 
 
 def _round_up(n: int, m: int) -> int:
@@ -133,25 +146,41 @@ class Workspace:
   nbytes) for the life of the process, and all are freed at exit; `free` releases one sooner
   (only once no computation that uses it can still run).
 
-  One process driving its GPUs is supported: ranks on distinct GPUs need peer access between
-  every pair (cudaDeviceCanAccessPeer). Ranks in several processes (CUDA IPC handles on one
-  host, fabric handles on an NVL72) raise NotImplementedError.
+  Ranks on distinct GPUs of one process need peer access between every pair
+  (cudaDeviceCanAccessPeer). Ranks of several processes of one host (jax.distributed
+  initialised) are built together by those processes: each allocates its ranks' segments and
+  exports a CUDA IPC handle of each; the handles go through jax.distributed's key-value store
+  (`_exchange`); each process maps the others' segments. Every process of the group must
+  create the same workspaces in the same order (lowering the same program does). Freeing one
+  is collective too: each process unmaps the others' segments, says so through the store,
+  and frees its own only once every other process has unmapped them. Ranks on other hosts
+  (an NVL72's fabric handles, CU_MEM_HANDLE_TYPE_FABRIC) are not built: a clear error.
   """
 
-  _cache: dict[tuple[tuple[int, ...], int], "Workspace"] = {}
+  _cache: dict[tuple[tuple[tuple[int, int], ...], int], "Workspace"] = {}
   _lock = threading.Lock()
   _atexit_registered = False
+  _generations: dict[tuple[tuple[tuple[int, int], ...], int], int] = {}
 
-  def __init__(self, handle: int, devices: tuple[int, ...], nbytes: int):
+  def __init__(self, handle: int, ranks: tuple[tuple[int, int], ...], nbytes: int,
+               exchange: "_Exchange | None" = None):
     """Use `Workspace.get` or `Workspace.for_layer`: a workspace is created by the CUDA
     module and shared through the cache."""
     self._handle = handle
-    self.devices = devices  # CUDA ordinal of each rank's GPU, in rank order
+    self.processes = tuple(p for p, _ in ranks)  # JAX process index of each rank
+    self.devices = tuple(d for _, d in ranks)  # CUDA ordinal of each rank's GPU, in its process
     self.nbytes = nbytes  # bytes of each rank's segment
+    self._exchange = exchange  # the key-value store's keys of a workspace across processes
 
   def __repr__(self):
     state = "freed" if self._handle is None else f"handle={self._handle}"
-    return f"Workspace(devices={list(self.devices)}, nbytes={self.nbytes}, {state})"
+    where = (f"devices={list(self.devices)}" if len(set(self.processes)) == 1 else
+             f"ranks={list(zip(self.processes, self.devices))}")
+    return f"Workspace({where}, nbytes={self.nbytes}, {state})"
+
+  @property
+  def _key(self):
+    return (tuple(zip(self.processes, self.devices)), self.nbytes)
 
   @property
   def ranks(self) -> int:
@@ -185,28 +214,31 @@ class Workspace:
   @classmethod
   def get(cls, devices: Sequence[Any], nbytes: int) -> "Workspace":
     """The workspace of `nbytes` a rank over `devices` (the EP group's devices in rank order:
-    jax.Device objects of this process's GPUs, or CUDA ordinals), created on first use.
+    jax.Device objects, CUDA ordinals of this process's GPUs, or (process index, CUDA ordinal)
+    pairs), created on first use.
 
     The same GPU named P times gives P segments of one allocation on it (several ranks on one
-    GPU, for tests); otherwise the GPUs must be distinct and reach each other's memory.
+    GPU, for tests); otherwise a process's GPUs must be distinct and reach each other's memory.
+    Devices of several processes need jax.distributed initialised, and every process that
+    holds one of them calls `get` for the same devices and size (it blocks until they have).
     """
-    ordinals = _ordinals(devices)
+    ranks = _ranks(devices)
     nbytes = _positive_int("nbytes", nbytes, "Workspace.get")
-    key = (ordinals, nbytes)
+    key = (ranks, nbytes)
     with cls._lock:
       if key in cls._cache:
         return cls._cache[key]
       module = _cuda_module()
-      handle, status, message = module.workspace_create(list(ordinals), nbytes)
-      if status == "out_of_memory":
-        raise MemoryError(f"mok_jax.Workspace: could not allocate {nbytes} bytes "
-                          f"({nbytes / 2**30:.2f} GiB) a rank on GPUs {list(ordinals)}: "
-                          f"{message}. {_MEM_FRACTION_HINT}")
-      if status == "bad_argument":
-        raise ValueError(f"mok_jax.Workspace: {message}")
-      if status != "ok":
-        raise RuntimeError(f"mok_jax.Workspace on GPUs {list(ordinals)}: {message}")
-      ws = cls(handle, ordinals, nbytes)
+      if len({p for p, _ in ranks}) == 1:
+        ordinals = [d for _, d in ranks]
+        handle, status, message = module.workspace_create(ordinals, nbytes)
+        _raise_for(status, message, nbytes, f"GPUs {ordinals}")
+        ws = cls(handle, ranks, nbytes)
+      else:
+        generation = cls._generations.get(key, 0)
+        cls._generations[key] = generation + 1
+        exchange = _Exchange(_kv_client(), ranks, nbytes, generation, _this_process())
+        ws = cls(exchange.create(module), ranks, nbytes, exchange)
       cls._cache[key] = ws
       if not cls._atexit_registered:
         atexit.register(_free_all)
@@ -224,14 +256,24 @@ class Workspace:
     (stride), and each rank's device, segment base and device table of peers (addresses)."""
     return _cuda_module().workspace_info(self.handle)
 
-  def free(self) -> None:
-    """Frees the segments now (waiting for the work on their GPUs); a no-op when freed."""
+  def free(self, *, timeout_ms: int | None = None) -> None:
+    """Frees the segments now (waiting for the work on their GPUs); a no-op when freed.
+
+    Across processes every process of the workspace must call it: this process unmaps the
+    others' segments, then waits (at most `timeout_ms`, default EXCHANGE_TIMEOUT_MS) until
+    every other process has unmapped its own before freeing them. Past the wait it raises
+    RuntimeError and leaves its segments allocated (the process's teardown frees them).
+    """
     with Workspace._lock:
       if self._handle is None:
         return
-      Workspace._cache.pop((self.devices, self.nbytes), None)
+      Workspace._cache.pop(self._key, None)
       handle, self._handle = self._handle, None
-    _cuda_module().workspace_free(handle)
+    if self._exchange is None:
+      _cuda_module().workspace_free(handle)
+    else:
+      self._exchange.release(_cuda_module(), handle,
+                             EXCHANGE_TIMEOUT_MS if timeout_ms is None else timeout_ms)
 
 
 def _layout(where, T, H, k, E, P, capacity, dtype) -> WorkspaceLayout:
@@ -269,48 +311,225 @@ def _cuda_module():
   return ops._mok_cuda
 
 
-def _ordinals(devices: Sequence[Any]) -> tuple[int, ...]:
-  """CUDA ordinals of `devices` (jax.Device objects or ints), checked: this process's GPUs,
-  all distinct or all one GPU."""
+def _raise_for(status: str, message: str, nbytes: int, where: str) -> None:
+  """The error of a CUDA module's status other than "ok"."""
+  if status == "ok":
+    return
+  if status == "out_of_memory":
+    raise MemoryError(f"mok_jax.Workspace: could not allocate {nbytes} bytes "
+                      f"({nbytes / 2**30:.2f} GiB) a rank on {where}: {message}. "
+                      f"{_MEM_FRACTION_HINT}")
+  if status == "bad_argument":
+    raise ValueError(f"mok_jax.Workspace: {message}")
+  raise RuntimeError(f"mok_jax.Workspace on {where}: {message}")
+
+
+def _this_process() -> int:
+  """This process's index: jax.distributed's process id where it runs (the process_index of
+  its devices), else jax.process_index()."""
+  import jax
+  from jax._src import distributed
+
+  if distributed.global_state.client is not None:
+    return int(distributed.global_state.process_id)
+  return jax.process_index()
+
+
+def _kv_client():
+  """jax.distributed's key-value store (its client), or a RuntimeError saying to initialise
+  it."""
+  from jax._src import distributed
+
+  client = distributed.global_state.client
+  if client is None:
+    raise RuntimeError("mok_jax.Workspace: the devices belong to several processes, whose "
+                       "workspace segments are exchanged through jax.distributed's key-value "
+                       "store: call jax.distributed.initialize() first")
+  return client
+
+
+def _ranks(devices: Sequence[Any]) -> tuple[tuple[int, int], ...]:
+  """(process index, CUDA ordinal) of each of `devices` (jax.Device objects, ints: ordinals of
+  this process's GPUs, or such pairs), checked: in each process, all distinct or (one process)
+  all one GPU."""
   where = "Workspace.get"
   if isinstance(devices, (str, bytes)) or not hasattr(devices, "__len__") or not len(devices):
-    raise ValueError(f"{where}: devices must be a non-empty sequence of jax.Device objects or "
-                     f"CUDA ordinals (the EP group's, in rank order), got {devices!r}")
-  import jax
+    raise ValueError(f"{where}: devices must be a non-empty sequence of jax.Device objects, "
+                     f"CUDA ordinals or (process, ordinal) pairs (the EP group's, in rank "
+                     f"order), got {devices!r}")
+  here = None
+  ranks = []
 
-  process = None
-  ordinals = []
+  def integer(v):
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
   for d in devices:
-    if isinstance(d, (int, np.integer)) and not isinstance(d, bool):
-      if d < 0:
-        raise ValueError(f"{where}: a CUDA ordinal must be at least 0, got {d}")
-      ordinals.append(int(d))
+    if integer(d) or (isinstance(d, tuple) and len(d) == 2 and all(map(integer, d))):
+      process, ordinal = (None, d) if integer(d) else d
+      if ordinal < 0 or (process is not None and process < 0):
+        raise ValueError(f"{where}: a CUDA ordinal and a process index must be at least 0, got "
+                         f"{d}")
+      if process is None:
+        here = _this_process() if here is None else here
+        process = here
+      ranks.append((int(process), int(ordinal)))
       continue
     if not all(hasattr(d, a) for a in ("platform", "process_index", "local_hardware_id")):
       raise ValueError(f"{where}: {d!r} is neither a jax.Device nor a CUDA ordinal")
-    if process is None:
-      process = jax.process_index()
-    if d.process_index != process:
-      raise NotImplementedError(
-          f"{where}: {d!r} belongs to process {d.process_index}, not this one ({process}): a "
-          "workspace across processes needs CUDA IPC memory handles (cudaIpcGetMemHandle, or "
-          "cuMem POSIX file descriptors) between processes of one host, or fabric handles "
-          "(CU_MEM_HANDLE_TYPE_FABRIC) across an NVLink domain, exchanged through "
-          "jax.distributed's key-value store; mok_jax does not implement them yet. Within one "
-          "process, pass this process's GPUs")
     if d.platform != "gpu":
       raise ValueError(f"{where}: {d!r} is a {d.platform} device; the workspace lives on CUDA "
                        "GPUs")
-    ordinals.append(int(operator.index(d.local_hardware_id)))
-  if len(set(ordinals)) not in (1, len(ordinals)):
-    raise ValueError(f"{where}: the ranks must be on distinct GPUs (one a GPU) or all on one "
-                     f"GPU (segments of one allocation), got GPUs {ordinals}")
-  return tuple(ordinals)
+    ranks.append((int(d.process_index), int(operator.index(d.local_hardware_id))))
+  processes = sorted({p for p, _ in ranks})
+  if len(processes) == 1:
+    ordinals = [o for _, o in ranks]
+    if len(set(ordinals)) not in (1, len(ordinals)):
+      raise ValueError(f"{where}: the ranks must be on distinct GPUs (one a GPU) or all on one "
+                       f"GPU (segments of one allocation), got GPUs {ordinals}")
+    return tuple(ranks)
+  for p in processes:
+    ordinals = [o for q, o in ranks if q == p]
+    if len(set(ordinals)) != len(ordinals):
+      raise ValueError(f"{where}: across processes each GPU holds one rank, got GPUs "
+                       f"{ordinals} of process {p}")
+  return tuple(ranks)
+
+
+def _host_id() -> str:
+  """What names this host to the other processes: CUDA IPC handles open only on the host
+  that exported them."""
+  try:
+    with open("/proc/sys/kernel/random/boot_id") as f:
+      boot = f.read().strip()
+  except OSError:
+    boot = ""
+  return f"{socket.gethostname()}/{boot}"
+
+
+class _Exchange:
+  """The steps of a workspace across processes through jax.distributed's key-value store
+  (`client`: key_value_set_bytes, blocking_key_value_get_bytes). Its keys, unique to the
+  ranks, the bytes and the generation (how many workspaces of those ranks and bytes this
+  process has created before: every process creates and frees them in the same order), are
+  KEY_PREFIX/<ranks>/<nbytes>/<generation>/<step>/<process>, where <ranks> is
+  "<process>.<ordinal>" of each rank joined by "_" and the steps are
+
+      export  {"host", "status", "message", "handles": {rank: hex of its CUDA IPC handle}}
+      opened  {"status", "message"}: this process has mapped every other process's segments
+      closed  {}: this process has unmapped them (its owner may free them)
+
+  A process publishes each of its steps before it waits for the other processes' same step,
+  so the steps of processes that run the same program never wait on each other in a cycle.
+  """
+
+  def __init__(self, client, ranks, nbytes: int, generation: int, here: int):
+    self.client, self.ranks, self.nbytes, self.here = client, ranks, nbytes, here
+    self.processes = sorted({p for p, _ in ranks})
+    if here not in self.processes:
+      raise ValueError(f"Workspace.get: none of the ranks {list(ranks)} is of this process "
+                       f"({here}): a process creates the workspaces that hold its GPUs")
+    tag = "_".join(f"{p}.{d}" for p, d in ranks)
+    self.prefix = f"{KEY_PREFIX}/{tag}/{nbytes}/{generation}"
+
+  def key(self, step: str, process: int) -> str:
+    return f"{self.prefix}/{step}/{process}"
+
+  def _publish(self, step: str, record: dict) -> None:
+    self.client.key_value_set_bytes(self.key(step, self.here), json.dumps(record).encode())
+
+  def _gather(self, step: str, timeout_ms: int) -> dict[int, dict]:
+    """Every other process's record of `step`, waiting at most `timeout_ms` for each."""
+    records = {}
+    for p in self.processes:
+      if p == self.here:
+        continue
+      key = self.key(step, p)
+      try:
+        records[p] = json.loads(self.client.blocking_key_value_get_bytes(key, timeout_ms))
+      except Exception as e:  # noqa: BLE001 - the store's deadline error is XlaRuntimeError
+        raise RuntimeError(
+            f"mok_jax.Workspace: process {self.here} waited {timeout_ms / 1000:g} s for "
+            f"process {p}'s '{step}' of the workspace of ranks {list(self.ranks)} "
+            f"(key {key!r}) and got {type(e).__name__}: {e}. Every process that holds a rank "
+            "must create (and free) the same workspaces in the same order: run the same "
+            "program on every process") from e
+    return records
+
+  def create(self, module) -> int:
+    """Allocates and exports this process's segments, exchanges the handles, maps the other
+    processes' segments: the handle of the ready workspace."""
+    P = len(self.ranks)
+    local = [d if p == self.here else -1 for p, d in self.ranks]
+    where = f"GPUs {[d for d in local if d >= 0]} of process {self.here}"
+    handle, status, message, exported = module.workspace_export(local, self.nbytes)
+    host = _host_id()
+    self._publish("export", {
+        "host": host, "status": status, "message": message,
+        "handles": {str(s): bytes(exported[s]).hex() for s in range(P) if local[s] >= 0}})
+    try:
+      _raise_for(status, message, self.nbytes, where)
+      peers = self._gather("export", EXCHANGE_TIMEOUT_MS)
+      for p, record in peers.items():
+        if record["status"] != "ok":
+          error = MemoryError if record["status"] == "out_of_memory" else RuntimeError
+          raise error(f"mok_jax.Workspace: process {p} could not create its segments "
+                             f"of the workspace of ranks {list(self.ranks)} "
+                             f"({record['status']}): {record['message']}")
+      for p, record in peers.items():
+        if record["host"] != host:
+          raise NotImplementedError(
+              f"mok_jax.Workspace: process {p} runs on another host ({record['host']}; this "
+              f"process, {self.here}, on {host}): CUDA IPC handles map between processes of "
+              "one host, and a workspace across the hosts of an NVLink domain (NVL72) needs "
+              "fabric handles (CU_MEM_HANDLE_TYPE_FABRIC), which mok_jax does not build. Use "
+              "ep_transport='collective', or EP groups within one host")
+    except BaseException:
+      # Nobody has mapped this process's segments: they are mapped only once every process
+      # has published a good export.
+      if handle:
+        module.workspace_free(handle)
+      raise
+    imported = [b"" if local[s] >= 0 else
+                bytes.fromhex(peers[p]["handles"][str(s)]) for s, (p, _) in
+                enumerate(self.ranks)]
+    status, message = module.workspace_import(handle, imported)
+    self._publish("opened", {"status": status, "message": message})
+    failures = [] if status == "ok" else [(self.here, status, message)]
+    try:
+      opened = self._gather("opened", EXCHANGE_TIMEOUT_MS)
+    except RuntimeError:
+      self.release(module, handle, EXCHANGE_TIMEOUT_MS)
+      raise
+    failures += [(p, r["status"], r["message"]) for p, r in opened.items() if r["status"] != "ok"]
+    if failures:
+      # Some process may have mapped these segments: free them only once it has unmapped.
+      self.release(module, handle, EXCHANGE_TIMEOUT_MS)
+      p, status, message = failures[0]
+      if p == self.here:
+        _raise_for(status, message, self.nbytes, where)
+      raise RuntimeError(f"mok_jax.Workspace: process {p} could not map the segments of the "
+                         f"workspace of ranks {list(self.ranks)} ({status}): {message}")
+    return handle
+
+  def release(self, module, handle: int, timeout_ms: int) -> None:
+    """Unmaps the other processes' segments, says so, and frees this process's segments once
+    every other process has said so; past `timeout_ms` they stay allocated (RuntimeError)."""
+    module.workspace_close(handle)
+    self._publish("closed", {})
+    try:
+      self._gather("closed", timeout_ms)
+    except RuntimeError as e:
+      raise RuntimeError(f"{e}. This process's segments stay allocated until it exits") from e
+    module.workspace_free(handle)
 
 
 def _free_all() -> None:
-  for ws in list(Workspace._cache.values()):
+  """The exit handler: frees every workspace, in the reverse order of their creation (every
+  process frees its workspaces across processes in the same order). It runs before
+  jax.distributed shuts down (atexit runs handlers last registered first, and JAX registers its
+  own when it is imported)."""
+  for ws in reversed(list(Workspace._cache.values())):
     try:
-      ws.free()
-    except Exception:  # noqa: BLE001 - the CUDA context may be gone (a trapped kernel) at exit
-      pass
+      ws.free(timeout_ms=EXIT_TIMEOUT_MS)
+    except Exception:  # noqa: BLE001 - the CUDA context may be gone (a trapped kernel) at exit,
+      pass  # or a peer process: its segments go with the process's teardown

@@ -267,6 +267,19 @@ def test_auto_picks_nvlink_where_it_runs(monkeypatch):
   assert expert_parallel.transport(NVLINK, _pieces(), BF16, 64, 4, 2) == "nvlink"
 
 
+def test_auto_keeps_collectives_across_processes(monkeypatch):
+  """Several processes: "nvlink" runs where the transport can (the workspace maps through
+  CUDA IPC), "auto" keeps XLA's collectives (ep_transport.auto_declines says why)."""
+  monkeypatch.setattr(expert_parallel, "nvlink_problem", lambda *args: None)
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  assert expert_parallel.transport(mok_jax.Config(), _pieces(), BF16, 64, 4, 2) == "collective"
+  assert expert_parallel.transport(NVLINK, _pieces(), BF16, 64, 4, 2) == "nvlink"
+  assert re.search(r"2 processes: 'auto' keeps XLA's collectives across processes",
+                   ep_transport.auto_declines())
+  monkeypatch.setattr(jax, "process_count", lambda: 1)
+  assert ep_transport.auto_declines() is None
+
+
 def test_nvlink_needs_an_expert_axis():
   """Without axis_name nothing is routed between ranks: "nvlink" is not asked for."""
   case = ep_case(None)
@@ -277,10 +290,12 @@ def test_nvlink_needs_an_expert_axis():
   assert_same_bits(y, want, "no axis")
 
 
-def _gpu_process(monkeypatch, *, gpus=(0, 1), processes=1, peer=lambda a, b: True,
-                 targets=ep_transport.TARGETS):
-  """A stand-in for a process with these GPUs and this CUDA module."""
+def _gpu_process(monkeypatch, *, gpus=(0, 1), processes=1, client=None,
+                 peer=lambda a, b: True, targets=ep_transport.TARGETS):
+  """A stand-in for a process with these GPUs and this CUDA module (one of `processes`, with
+  this jax.distributed client)."""
   monkeypatch.setattr(jax, "process_count", lambda: processes)
+  monkeypatch.setattr(ep_transport.distributed.global_state, "client", client)
   monkeypatch.setattr(jax, "local_devices", lambda: [
       types.SimpleNamespace(platform="gpu", local_hardware_id=g) for g in gpus])
   monkeypatch.setattr(ops, "_mok_cuda", types.SimpleNamespace(
@@ -296,8 +311,10 @@ REASONS = [
     ("ok", {}, (BF16, 64, 4, 2), None),
     ("one_rank_no_peers", {"peer": lambda a, b: False}, (BF16, 64, 4, 1), None),
     ("no_module", {"targets": ()}, (BF16, 64, 4, 2), r"installed without its CUDA module"),
-    ("processes", {"processes": 2}, (BF16, 64, 4, 2),
-     r"the JAX job has 2 processes: a workspace across processes needs CUDA IPC or fabric"),
+    ("processes_without_client", {"processes": 2}, (BF16, 64, 4, 2),
+     r"the JAX job has 2 processes but no jax.distributed client, through whose key-value "
+     r"store the workspace's CUDA IPC handles are exchanged"),
+    ("processes", {"processes": 2, "client": object()}, (BF16, 64, 4, 2), None),
     ("f32", {}, (jnp.float32, 64, 4, 2), r"moves bfloat16 rows, got float32"),
     ("row_bytes", {}, (BF16, 12, 4, 2), r"a row of H = 12 is not a multiple of 16 bytes"),
     ("ranks", {}, (BF16, 64, 4, 512), r"at most 256 ranks, got 512"),
@@ -377,7 +394,7 @@ def test_auto_without_a_workspace_lowers_to_collectives(monkeypatch):
 
 def test_auto_without_room_for_a_workspace_warns_and_lowers_to_collectives(monkeypatch):
   monkeypatch.setattr(expert_parallel, "nvlink_problem", lambda *args: None)
-  monkeypatch.setattr(ep_transport, "_this_process_gpus", lambda devices: True)
+  monkeypatch.setattr(ep_transport, "_gpus_of_this_process", lambda devices: True)
 
   def workspace_for(devices, nbytes):
     raise MemoryError(f"mok_jax.Workspace: could not allocate {nbytes} bytes")
@@ -432,7 +449,7 @@ def test_lowering_asks_for_a_workspace_a_group(monkeypatch):
   """Tokens over ("dp", "ep"), experts over "ep": two EP groups of 4, each group's devices in
   the order of its axis, and both handles in every call."""
   monkeypatch.setattr(expert_parallel, "nvlink_problem", lambda *args: None)
-  monkeypatch.setattr(ep_transport, "_this_process_gpus", lambda devices: True)
+  monkeypatch.setattr(ep_transport, "_gpus_of_this_process", lambda devices: True)
   asked = []
 
   def workspace_for(devices, nbytes):
@@ -475,3 +492,21 @@ def test_wrappers_check_their_inputs():
   with pytest.raises(ValueError, match=r"ep_combine: out_dtype must be bfloat16 or float32"):
     ep_transport.combine(jnp.zeros((8, 16), BF16), None, received, jnp.zeros((4, 2), jnp.int32),
                          None, None, axis_name="ep", out_dtype=jnp.float16)
+
+
+def test_a_process_creates_the_workspaces_of_its_groups_only(monkeypatch):
+  """Across processes, the handles of a call are those of the EP groups that hold a GPU of
+  this process (process 0 here): the other groups' workspaces are their processes'."""
+  gpu = lambda p, g: types.SimpleNamespace(platform="gpu", process_index=p,  # noqa: E731
+                                           local_hardware_id=g)
+  groups = ((gpu(0, 0), gpu(1, 0)), (gpu(2, 0), gpu(3, 0)), (gpu(0, 1), gpu(1, 1)))
+  monkeypatch.setattr(ep_transport, "ep_groups", lambda mesh, axis_name: groups)
+  asked = []
+  monkeypatch.setattr(ep_transport, "_workspace_for",
+                      lambda devices, nbytes: asked.append(devices) or len(asked))
+  lay = Workspace.layout(4, 64, 2, 4, 2)
+  assert list(ep_transport._workspace_handles(None, "ep", lay)) == [1, 2]
+  assert asked == [groups[0], groups[2]]
+  far = ((gpu(2, 0), gpu(3, 0)),)
+  monkeypatch.setattr(ep_transport, "ep_groups", lambda mesh, axis_name: far)
+  assert list(ep_transport._workspace_handles(None, "ep", lay)) == [ep_transport.NO_WORKSPACE]

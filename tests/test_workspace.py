@@ -5,8 +5,10 @@ are tested on a GPU (tests/test_ep_transport_cuda.py)."""
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
+import threading
 import types
 
 import jax
@@ -121,15 +123,15 @@ def _fake_device(process_index=0, platform="gpu", local_hardware_id=0):
 BAD_GETS = [
     ("no_devices", [], 1024, ValueError, r"devices must be a non-empty sequence"),
     ("a_string", "gpu", 1024, ValueError, r"devices must be a non-empty sequence"),
-    ("negative_ordinal", [0, -1], 1024, ValueError, r"a CUDA ordinal must be at least 0, got -1"),
+    ("negative_ordinal", [0, -1], 1024, ValueError, r"a CUDA ordinal and a process index must be at least 0, got -1"),
     ("not_a_device", [0, object()], 1024, ValueError, r"is neither a jax.Device nor a CUDA"),
     ("mixed", [0, 0, 1], 1024, ValueError,
      r"distinct GPUs \(one a GPU\) or all on one GPU .*got GPUs \[0, 0, 1\]"),
     ("nbytes0", [0, 0], 0, ValueError, r"Workspace.get: nbytes must be an integer of at least 1"),
-    ("other_process", [_fake_device(0), _fake_device(process_index=1, local_hardware_id=1)],
-     1024, NotImplementedError,
-     r"belongs to process 1.*CUDA IPC.*fabric handles \(CU_MEM_HANDLE_TYPE_FABRIC\).*"
-     r"jax.distributed's key-value store"),
+    ("negative_process", [(0, 0), (-1, 0)], 1024, ValueError,
+     r"a CUDA ordinal and a process index must be at least 0, got \(-1, 0\)"),
+    ("two_ranks_one_gpu_across_processes", [(0, 0), (0, 0), (1, 0)], 1024, ValueError,
+     r"across processes each GPU holds one rank, got GPUs \[0, 0\] of process 0"),
     ("tpu", [_fake_device(platform="tpu")], 1024, ValueError,
      r"is a tpu device; the workspace lives on CUDA GPUs"),
 ]
@@ -241,3 +243,229 @@ def test_layout_matches_the_cuda_module():
   assert c["stages"] == len(STAGES) and c["sync_bytes"] == SYNC_BYTES
   assert c["layout_fields"] == len(REGIONS) + 1
   assert c["wait_bound_ns"] == 10_000_000_000
+
+
+# --- across processes: the exchange through a stand-in key-value store ----------------------
+
+
+class FakeStore:
+  """jax.distributed's key-value store as the workspace uses it: a key is set once, a blocking
+  get waits for it (at most its timeout, then raises as the store's deadline does)."""
+
+  def __init__(self):
+    self.values, self.cond = {}, threading.Condition()
+
+  def key_value_set_bytes(self, key, value, allow_overwrite=False):
+    with self.cond:
+      if key in self.values and not allow_overwrite:
+        raise RuntimeError(f"ALREADY_EXISTS: {key}")
+      self.values[key] = bytes(value)
+      self.cond.notify_all()
+
+  def blocking_key_value_get_bytes(self, key, timeout_in_ms):
+    with self.cond:
+      if not self.cond.wait_for(lambda: key in self.values, timeout_in_ms / 1000):
+        raise RuntimeError(f"DEADLINE_EXCEEDED: {key}")
+      return self.values[key]
+
+
+class FakeCudaModule:
+  """The CUDA module's workspace functions of one process, recording each call in `log`
+  (shared by the processes of a test, in the order the calls happen)."""
+
+  def __init__(self, process, log, export_status="ok", import_status="ok"):
+    self.process, self.log = process, log
+    self.export_status, self.import_status = export_status, import_status
+    self.imported = None
+
+  def workspace_export(self, devices, nbytes):
+    self.log.append(("export", self.process, tuple(devices), nbytes))
+    if self.export_status != "ok":
+      return 0, self.export_status, f"export failed on process {self.process}", [b""] * len(devices)
+    return 10 + self.process, "ok", "", [
+        f"ipc p{self.process} r{s}".encode().ljust(64, b".") if d >= 0 else b""
+        for s, d in enumerate(devices)]
+
+  def workspace_import(self, handle, handles):
+    self.log.append(("import", self.process, handle))
+    self.imported = list(handles)
+    if self.import_status != "ok":
+      return self.import_status, f"cudaIpcOpenMemHandle failed on process {self.process}"
+    return "ok", ""
+
+  def workspace_close(self, handle):
+    self.log.append(("close", self.process, handle))
+    return True
+
+  def workspace_free(self, handle):
+    self.log.append(("free", self.process, handle))
+    return True
+
+
+RANKS = ((0, 0), (1, 0))  # two processes, each on its GPU 0
+
+
+def _run_processes(store, modules, ranks=RANKS, nbytes=4096, generation=0, hosts=None, steps=2):
+  """Process p's _Exchange.create (then release, for steps=2) in a thread each; the handle or
+  the exception of each process."""
+  results = {}
+
+  def run(p):
+    ex = workspace._Exchange(store, ranks, nbytes, generation, p)
+    try:
+      handle = ex.create(modules[p])
+      if steps == 2:
+        ex.release(modules[p], handle, 5_000)
+      results[p] = handle
+    except Exception as e:  # noqa: BLE001 - the test looks at it
+      results[p] = e
+
+  threads = [threading.Thread(target=run, args=(p,)) for p in sorted(modules)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(30)
+  assert not any(t.is_alive() for t in threads)
+  return results
+
+
+@pytest.fixture
+def short_waits(monkeypatch):
+  monkeypatch.setattr(workspace, "EXCHANGE_TIMEOUT_MS", 2_000)
+
+
+def test_exchange_maps_each_others_handles_and_frees_after_every_close(short_waits):
+  store, log = FakeStore(), []
+  modules = {p: FakeCudaModule(p, log) for p in (0, 1)}
+  results = _run_processes(store, modules)
+  assert results == {0: 10, 1: 11}
+  # Each process exported its own rank (-1 for the other's) and imported the other's handle.
+  assert sorted(e for e in log if e[0] == "export") == [
+      ("export", 0, (0, -1), 4096), ("export", 1, (-1, 0), 4096)]
+  assert modules[0].imported == [b"", b"ipc p1 r1".ljust(64, b".")]
+  assert modules[1].imported == [b"ipc p0 r0".ljust(64, b"."), b""]
+  # No process frees its segment before every process has closed its mappings.
+  last_close = max(i for i, e in enumerate(log) if e[0] == "close")
+  assert all(i > last_close for i, e in enumerate(log) if e[0] == "free")
+  assert sorted(e[1] for e in log if e[0] == "free") == [0, 1]
+  prefix = "mok_jax/workspace/0.0_1.0/4096/0"
+  assert sorted(store.values) == sorted(f"{prefix}/{step}/{p}" for step in
+                                        ("export", "opened", "closed") for p in (0, 1))
+  record = json.loads(store.values[f"{prefix}/export/1"])
+  assert record["status"] == "ok" and record["host"] == workspace._host_id()
+  assert bytes.fromhex(record["handles"]["1"]) == b"ipc p1 r1".ljust(64, b".")
+
+
+def test_exchange_generations_do_not_reuse_keys(short_waits):
+  store, log = FakeStore(), []
+  modules = {p: FakeCudaModule(p, log) for p in (0, 1)}
+  assert _run_processes(store, modules, generation=0) == {0: 10, 1: 11}
+  assert _run_processes(store, modules, generation=1) == {0: 10, 1: 11}
+  assert len([k for k in store.values if "/1/export/" in k]) == 2
+
+
+def test_exchange_a_peers_allocation_failure_fails_every_process(short_waits):
+  store, log = FakeStore(), []
+  modules = {0: FakeCudaModule(0, log), 1: FakeCudaModule(1, log, export_status="out_of_memory")}
+  results = _run_processes(store, modules, steps=1)
+  assert isinstance(results[1], MemoryError)
+  assert re.search(r"could not allocate 4096 bytes .* GPUs \[0\] of process 1.*"
+                   r"XLA_PYTHON_CLIENT_MEM_FRACTION", str(results[1]))
+  assert isinstance(results[0], MemoryError)
+  assert re.search(r"process 1 could not create its segments .*\(out_of_memory\): export failed",
+                   str(results[0]))
+  # Process 0 freed its segment without mapping anything; nobody imported.
+  assert [e[0] for e in log if e[1] == 0] == ["export", "free"]
+  assert not [e for e in log if e[0] == "import"]
+
+
+def test_exchange_a_failed_mapping_releases_in_order(short_waits):
+  store, log = FakeStore(), []
+  modules = {0: FakeCudaModule(0, log), 1: FakeCudaModule(1, log, import_status="cuda_error")}
+  results = _run_processes(store, modules, steps=1)
+  assert isinstance(results[0], RuntimeError) and isinstance(results[1], RuntimeError)
+  assert re.search(r"process 1 could not map the segments .*cudaIpcOpenMemHandle failed",
+                   str(results[0]))
+  assert re.search(r"cudaIpcOpenMemHandle failed on process 1", str(results[1]))
+  last_close = max(i for i, e in enumerate(log) if e[0] == "close")
+  assert sorted(e[1] for e in log if e[0] == "free") == [0, 1]
+  assert all(i > last_close for i, e in enumerate(log) if e[0] == "free")
+
+
+def test_exchange_refuses_another_host(short_waits, monkeypatch):
+  store, log = FakeStore(), []
+  # The other process's export record as a process of another host writes it.
+  store.key_value_set_bytes("mok_jax/workspace/0.0_1.0/4096/0/export/1", json.dumps({
+      "host": "elsewhere/boot", "status": "ok", "message": "",
+      "handles": {"1": (b"x" * 64).hex()}}).encode())
+  ex = workspace._Exchange(store, RANKS, 4096, 0, 0)
+  with pytest.raises(NotImplementedError, match=r"process 1 runs on another host \(elsewhere/"
+                     r"boot.*fabric handles \(CU_MEM_HANDLE_TYPE_FABRIC\)"):
+    ex.create(FakeCudaModule(0, log))
+  assert [e[0] for e in log] == ["export", "free"]
+
+
+def test_exchange_a_missing_process_times_out_naming_it(monkeypatch):
+  monkeypatch.setattr(workspace, "EXCHANGE_TIMEOUT_MS", 100)
+  store, log = FakeStore(), []
+  ex = workspace._Exchange(store, RANKS, 4096, 0, 0)
+  with pytest.raises(RuntimeError, match=r"process 0 waited 0.1 s for process 1's 'export' of "
+                     r"the workspace of ranks \[\(0, 0\), \(1, 0\)\] \(key "
+                     r"'mok_jax/workspace/0.0_1.0/4096/0/export/1'\).*same program"):
+    ex.create(FakeCudaModule(0, log))
+  assert [e[0] for e in log] == ["export", "free"]
+
+
+def test_exchange_needs_a_rank_of_this_process():
+  with pytest.raises(ValueError, match=r"none of the ranks \[\(0, 0\), \(1, 0\)\] is of this "
+                     r"process \(2\)"):
+    workspace._Exchange(FakeStore(), RANKS, 4096, 0, 2)
+
+
+def test_get_across_processes_needs_jax_distributed(monkeypatch):
+  from jax._src import distributed
+
+  monkeypatch.setattr(ops, "_mok_cuda", FakeCudaModule(0, []))
+  monkeypatch.setattr(distributed.global_state, "client", None)
+  with pytest.raises(RuntimeError, match=r"belong to several processes.*call "
+                     r"jax.distributed.initialize\(\) first"):
+    Workspace.get([_fake_device(0), _fake_device(process_index=1)], 1024)
+  assert not Workspace._cache
+
+
+def test_get_across_processes_caches_and_frees_collectively(monkeypatch, short_waits):
+  """Workspace.get over devices of two processes, this one process 0: the other process's
+  steps are in the store already (as it writes them); one workspace per (ranks, bytes); free
+  waits for the other's 'closed', and a new workspace of the same ranks takes new keys."""
+  store, log = FakeStore(), []
+  module = FakeCudaModule(0, log)
+  monkeypatch.setattr(ops, "_mok_cuda", module)
+  monkeypatch.setattr(workspace, "_kv_client", lambda: store)
+  monkeypatch.setattr(Workspace, "_cache", {})
+  monkeypatch.setattr(Workspace, "_generations", {})
+  monkeypatch.setattr(workspace, "_this_process", lambda: 0)
+
+  def peer_steps(generation, steps):
+    prefix = f"mok_jax/workspace/0.0_1.0/4096/{generation}"
+    records = {"export": {"host": workspace._host_id(), "status": "ok", "message": "",
+                          "handles": {"1": (b"p1" * 32).hex()}},
+               "opened": {"status": "ok", "message": ""}, "closed": {}}
+    for step in steps:
+      store.key_value_set_bytes(f"{prefix}/{step}/1", json.dumps(records[step]).encode())
+
+  peer_steps(0, ("export", "opened"))
+  devices = [_fake_device(0), _fake_device(process_index=1)]
+  ws = Workspace.get(devices, 4096)
+  assert Workspace.get([(0, 0), (1, 0)], 4096) is ws
+  assert (ws.processes, ws.devices, ws.handle) == ((0, 1), (0, 0), 10)
+  assert module.imported == [b"", b"p1" * 32]
+  assert "ranks=[(0, 0), (1, 0)]" in repr(ws)
+  with pytest.raises(RuntimeError, match=r"waited 0.05 s for process 1's 'closed'.*stay "
+                     r"allocated"):
+    ws.free(timeout_ms=50)  # the other process has not unmapped: nothing is freed
+  assert [e[0] for e in log] == ["export", "import", "close"]
+  peer_steps(1, ("export", "opened", "closed"))
+  ws2 = Workspace.get(devices, 4096)
+  assert ws2 is not ws
+  ws2.free()
+  assert [e[0] for e in log] == ["export", "import", "close", "export", "import", "close", "free"]
