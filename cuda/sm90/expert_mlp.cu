@@ -5,13 +5,28 @@
 
 namespace mok::sm90 {
 
-const char* LaunchExpertMlps(const ExpertMlp* mlps, int count, bool down,
-                             int32_t* counter, int32_t* ready, cudaStream_t stream) {
+namespace {
+
+// The chain of the routed MLP (slots 0 and 2) and at most one shared MLP (slots 1 and 3), its
+// tiles taken from `counter` and its rows' readiness published in `ready`. Returns null, or a
+// message for more MLPs or a second one with row groups.
+template <class Mlp>
+const char* QueuedChain(const Mlp* mlps, int count, int32_t* counter, int32_t* ready,
+                        ChainParams& c) {
   if (count > 2 || (count == 2 && mlps[1].offsets))
-    return "LaunchExpertMlps takes the routed MLP and at most a shared one (no row groups)";
-  ChainParams c = EmptyChain();
+    return "an expert-MLP launch takes the routed MLP and at most a shared one (no row groups)";
+  c = EmptyChain();
   c.queue = counter;
   c.ready = ready;
+  return nullptr;
+}
+
+}  // namespace
+
+const char* LaunchExpertMlps(const ExpertMlp* mlps, int count, bool down,
+                             int32_t* counter, int32_t* ready, cudaStream_t stream) {
+  ChainParams c;
+  if (const char* err = QueuedChain(mlps, count, counter, ready, c)) return err;
   for (int j = 0; j < count; ++j) {
     const ExpertMlp& m = mlps[j];
     GemmParams& up = c.gemm[j];  // slots 0, 1: gate|up
@@ -40,11 +55,8 @@ const char* LaunchExpertMlps(const ExpertMlp* mlps, int count, bool down,
 
 const char* LaunchExpertMlpsFp8(const ExpertMlpFp8* mlps, int count, int32_t* counter,
                                 int32_t* ready, cudaStream_t stream) {
-  if (count > 2 || (count == 2 && mlps[1].offsets))
-    return "LaunchExpertMlpsFp8 takes the routed MLP and at most a shared one (no row groups)";
-  ChainParams c = EmptyChain();
-  c.queue = counter;
-  c.ready = ready;
+  ChainParams c;
+  if (const char* err = QueuedChain(mlps, count, counter, ready, c)) return err;
   for (int j = 0; j < count; ++j) {
     const ExpertMlpFp8& m = mlps[j];
     GemmParams& up = c.gemm[j];  // slots 0, 1: gate|up

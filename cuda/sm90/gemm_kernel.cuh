@@ -331,6 +331,20 @@ __device__ __forceinline__ void RunScheduler(const ChainParams& c, ChainStorage<
   }
 }
 
+// The consumers' j-th tile from the producer: its GEMM in the chain (negative: no more tiles)
+// and the tile, copied out so that the slot goes back to the producer at once.
+struct TakenTile {
+  int chain;
+  GemmTile tile;
+};
+__device__ __forceinline__ TakenTile TakeTile(ChainSmem& cs, uint32_t j) {
+  const int slot = j % kTileSlots;
+  BarrierWaitLean(&cs.slot_full[slot], (j / kTileSlots) & 1);
+  const TakenTile t{cs.slot_chain[slot], cs.slot_tile[slot]};
+  BarrierArrive(&cs.slot_empty[slot]);
+  return t;
+}
+
 // A consumer warpgroup's thread: each handed-over tile's MMAs (with a tail's, if it carries
 // one) and its epilogue, then publishing its rows to a slot that waits on them.
 template <class Kind0, class Kind1, int kSlots, int kClusterM, class Iter>
@@ -345,11 +359,9 @@ __device__ __forceinline__ void RunConsumer(const ChainParams& c, ChainStorage<K
   uint32_t slabs_posted = 0;  // kTmaStore: this warpgroup's slabs handed to its storer
 #pragma unroll 1
   for (uint32_t j = 0;; ++j) {
-    const int slot = j % kTileSlots;
-    BarrierWaitLean(&cs.slot_full[slot], (j / kTileSlots) & 1);
-    const int i = cs.slot_chain[slot];
-    const GemmTile tile = cs.slot_tile[slot];
-    BarrierArrive(&cs.slot_empty[slot]);
+    const TakenTile taken = TakeTile(cs, j);
+    const int i = taken.chain;
+    const GemmTile& tile = taken.tile;
     if (i < 0) break;
     const int wg = thread / 128;
     if (kClusterM > 1 && tile.pairing == Pairing::kAbsent) {
@@ -485,11 +497,9 @@ __device__ __forceinline__ void RunConsumerFp8(const ChainParams& c, ChainStorag
   const int wg = thread / 128;
 #pragma unroll 1
   for (uint32_t j = 0;; ++j) {
-    const int slot = j % kTileSlots;
-    BarrierWaitLean(&cs.slot_full[slot], (j / kTileSlots) & 1);
-    const int i = cs.slot_chain[slot];
-    const GemmTile tile = cs.slot_tile[slot];
-    BarrierArrive(&cs.slot_empty[slot]);
+    const TakenTile taken = TakeTile(cs, j);
+    const int i = taken.chain;
+    const GemmTile& tile = taken.tile;
     if (i < 0) break;
     Fp8BScales scales;
     WithSlot<kSlots>(i, [&](auto s) __attribute__((always_inline)) {
