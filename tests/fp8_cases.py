@@ -463,10 +463,14 @@ def check_exact(case, block_m):
 
 
 def reference_y(case):
-  """y of the XLA reference (mok_jax.moe on backend 'xla', precision 'fp8')."""
+  """y of the XLA reference (mok_jax.moe on backend 'xla', precision 'fp8'), computed on the
+  CPU: check_end_to_end bounds its sums as f32 ones (REFERENCE_ETA_PER_K), which the CPU's dots
+  are and a GPU's ragged_dot need not be."""
   config = mok_jax.Config(precision="fp8")
-  return np.asarray(jax.jit(lambda *a: mok_jax.moe(*a, shared=case.shared, config=config,
-                                                   backend="xla"))(*case.args()))
+  cpu = jax.devices("cpu")[0]
+  args, shared = jax.device_put((case.args(), case.shared), cpu)
+  return np.asarray(jax.jit(lambda *a: mok_jax.moe(*a, shared=shared, config=config,
+                                                   backend="xla"))(*args))
 
 
 def check_target(case, y, buffers, qs, shared, want, eta=None):
