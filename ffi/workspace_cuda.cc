@@ -617,7 +617,7 @@ WorkspaceStatus WorkspaceImport(int64_t handle, const std::vector<std::string>& 
       tables[s].assign(P, nullptr);
       for (size_t q = 0; q < P; ++q) {
         if (info.ranks[q].device >= 0) {
-          tables[s][q] = info.ranks[q].base;  // this process's: peer access
+          tables[s][q] = info.ranks[q].base;  // this process's: peer (or pool) access
           continue;
         }
         if (fabric[q]) {
