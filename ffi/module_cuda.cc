@@ -44,6 +44,7 @@ const char* StatusName(mok::cuda::WorkspaceStatus status) {
     case S::kBadArgument: return "bad_argument";
     case S::kOutOfMemory: return "out_of_memory";
     case S::kNoPeerAccess: return "no_peer_access";
+    case S::kNotSupported: return "not_supported";
     case S::kCudaError: return "cuda_error";
   }
   return "cuda_error";
@@ -102,13 +103,21 @@ NB_MODULE(_mok_cuda, m) {
   "Whether GPU `device` can map GPU `peer`'s memory (cudaDeviceCanAccessPeer).");
   // (handle, status, message, handles): this process's segments of a workspace across
   // processes (devices: an ordinal for each of this process's ranks, -1 for the others'),
-  // allocated, zeroed and exported; handles[s] is rank s's CUDA IPC handle (b"" for the ranks
-  // of other processes).
-  m.def("workspace_export", [](const std::vector<int>& devices, int64_t bytes) {
+  // allocated, zeroed and exported as `kind` ("ipc": CUDA IPC handles, "fabric": fabric
+  // handles of memory pools); handles[s] is rank s's exported bytes, its first byte naming the
+  // kind (b"" for the ranks of other processes).
+  m.def("workspace_export", [](const std::vector<int>& devices, int64_t bytes,
+                               const std::string& kind) {
+    using K = mok::cuda::WorkspaceHandleKind;
+    if (kind != "ipc" && kind != "fabric")
+      throw std::invalid_argument("workspace_export: kind must be 'ipc' or 'fabric', got '" +
+                                  kind + "'");
     int64_t handle = 0;
     std::string message;
     std::vector<std::string> exported;
-    const auto status = mok::cuda::WorkspaceExport(devices, bytes, &handle, &exported, &message);
+    const auto status = mok::cuda::WorkspaceExport(devices, bytes,
+                                                   kind == "ipc" ? K::kIpc : K::kFabric,
+                                                   &handle, &exported, &message);
     nb::list handles;
     for (const std::string& h : exported) handles.append(nb::bytes(h.data(), h.size()));
     return std::make_tuple(handle, std::string(StatusName(status)), message, handles);
@@ -125,6 +134,12 @@ NB_MODULE(_mok_cuda, m) {
     const auto status = mok::cuda::WorkspaceImport(handle, imported, &message);
     return std::make_tuple(std::string(StatusName(status)), message);
   });
+  // (supported, reason): whether GPU `device` exports memory pools as fabric handles (it tries
+  // a small pool); reason: "" or what the driver reported and what to do.
+  m.def("workspace_fabric_supported", [](int device) {
+    const std::string problem = mok::cuda::WorkspaceFabricProblem(device);
+    return std::make_tuple(problem.empty(), problem);
+  }, nb::arg("device"));
   m.def("workspace_close", [](int64_t handle) { return mok::cuda::WorkspaceClose(handle); });
   m.def("workspace_free", [](int64_t handle) { return mok::cuda::WorkspaceFree(handle); });
   m.def("workspace_write", [](int64_t handle, int rank, int peer, int64_t offset,

@@ -10,15 +10,26 @@
 //     NVLink or PCIe peer-to-peer);
 //   - ranks on one GPU (the loopback tests, WorkspaceCreate): one cudaMalloc cut into P
 //     segments;
-//   - ranks of several processes of one host (WorkspaceExport, then WorkspaceImport): each
-//     process cudaMallocs the segments of its own ranks and exports a CUDA IPC handle of each
-//     (cudaIpcGetMemHandle); Python exchanges the handles (bytes) through jax.distributed's
-//     key-value store; each process then maps the other processes' segments
-//     (cudaIpcOpenMemHandle, once for each of its GPUs) and writes its device tables. Its own
-//     ranks reach each other through peer access, as in the first case.
-// Each segment is zeroed once by its owner at creation (flags, epochs and counters start at
-// 0), and the device table of the P segment bases is written once on each of this process's
-// ranks' GPUs.
+//   - ranks of several processes (WorkspaceExport, then WorkspaceImport): each process
+//     allocates and zeroes the segments of its own ranks and exports each as bytes (below);
+//     Python exchanges them through jax.distributed's key-value store; each process then maps
+//     the other processes' segments and writes its device tables. Its own ranks reach each
+//     other through peer access, as in the first case (a fabric segment, memory of a pool,
+//     through the pool's access, which its owner grants each of its other GPUs).
+// The exported bytes of a segment start with a byte that names their kind (WorkspaceHandleKind):
+//   'I' + cudaIpcMemHandle_t (64 bytes): a cudaMalloc exported with cudaIpcGetMemHandle, mapped
+//     with cudaIpcOpenMemHandle once on each GPU of the importer; processes of one host only.
+//   'F' + cudaMemFabricHandle_t (64) + cudaMemPoolPtrExportData (64): the segment is the one
+//     allocation of its own memory pool, created with cudaMemHandleTypeFabric on the segment's
+//     GPU; the pool goes out as a fabric handle (cudaMemPoolExportToShareableHandle), the
+//     segment as its pointer's export data (cudaMemPoolExportPointer). The importer imports
+//     the pool (cudaMemPoolImportFromShareableHandle), grants its GPUs read-write access
+//     (cudaMemPoolSetAccess) and imports the pointer (cudaMemPoolImportPointer): one address
+//     for all its GPUs. Fabric handles reach across the hosts of an NVLink domain (NVL72); the
+//     driver must report cudaMemHandleTypeFabric in cudaDevAttrMemoryPoolSupportedHandleTypes
+//     and the process needs an IMEX channel (nvidia-imex running, /dev/nvidia-caps-imex-channels).
+// Python picks the kind (mok_jax/workspace.py): IPC where every process is on one host, fabric
+// where the group spans hosts; the importer follows the kind byte of each peer's bytes.
 #pragma once
 
 #include <cstdint>
@@ -32,7 +43,14 @@ enum class WorkspaceStatus {
   kBadArgument,   // devices or bytes that no workspace can have
   kOutOfMemory,   // a cudaMalloc failed for lack of memory
   kNoPeerAccess,  // two of the GPUs cannot reach each other's memory
+  kNotSupported,  // the GPU or its driver cannot export what was asked (fabric handles)
   kCudaError,     // any other CUDA error
+};
+
+// How WorkspaceExport shares this process's segments (the header comment has the bytes).
+enum class WorkspaceHandleKind {
+  kIpc,     // CUDA IPC handles: processes of one host
+  kFabric,  // fabric handles of memory pools: the hosts of an NVLink domain
 };
 
 struct WorkspaceRank {
@@ -50,8 +68,12 @@ struct WorkspaceInfo {
   std::vector<std::vector<void*>> tables;
 };
 
-// The bytes of a CUDA IPC memory handle (cudaIpcMemHandle_t).
-constexpr int kWorkspaceIpcHandleBytes = 64;
+// The exported bytes of a segment: the kind byte, then the handle (the header comment).
+constexpr char kWorkspaceIpcKind = 'I';
+constexpr char kWorkspaceFabricKind = 'F';
+constexpr int kWorkspaceIpcBytes = 1 + 64;           // 'I', cudaIpcMemHandle_t
+constexpr int kWorkspaceFabricBytes = 1 + 64 + 64;   // 'F', cudaMemFabricHandle_t,
+                                                     // cudaMemPoolPtrExportData
 
 // Allocates a workspace of `bytes` a rank for the ranks on `devices`, all of this process (in
 // rank order: all distinct, or all the same GPU). On kOk, *handle > 0; otherwise *message says
@@ -61,29 +83,39 @@ WorkspaceStatus WorkspaceCreate(const std::vector<int>& devices, int64_t bytes, 
 
 // The first step of a workspace across processes: `devices` holds, in rank order, the CUDA
 // ordinal of each of this process's ranks (distinct) and -1 for each rank of another process.
-// Allocates and zeroes this process's segments (finished before it returns) and exports each:
-// on kOk, *handle > 0 names a workspace that WorkspaceLookup does not return yet, and
-// (*exported)[s] holds the kWorkspaceIpcHandleBytes of rank s's IPC handle (empty for the
-// ranks of other processes).
-WorkspaceStatus WorkspaceExport(const std::vector<int>& devices, int64_t bytes, int64_t* handle,
+// Allocates and zeroes this process's segments (finished before it returns) and exports each
+// as `kind` asks: on kOk, *handle > 0 names a workspace that WorkspaceLookup does not return
+// yet, and (*exported)[s] holds rank s's exported bytes (kWorkspaceIpcBytes or
+// kWorkspaceFabricBytes; empty for the ranks of other processes). kNotSupported: a GPU cannot
+// export fabric handles, *message says what the driver reported and what to do.
+WorkspaceStatus WorkspaceExport(const std::vector<int>& devices, int64_t bytes,
+                                WorkspaceHandleKind kind, int64_t* handle,
                                 std::vector<std::string>* exported, std::string* message);
 
-// The second step: `imported[q]` is rank q's IPC handle for each rank of another process
-// (ignored for this process's ranks). Maps them on each of this process's GPUs of the
-// workspace and writes the device tables; on kOk the workspace is ready (WorkspaceLookup).
-// On a failure the workspace stays allocated, not ready: WorkspaceFree releases it.
+// The second step: `imported[q]` is rank q's exported bytes for each rank of another process
+// (ignored for this process's ranks), of either kind (its first byte). Checks every one
+// (kBadArgument naming the rank: empty, an unknown kind, the wrong size), then maps them on
+// this process's GPUs of the workspace and writes the device tables; on kOk the workspace is
+// ready (WorkspaceLookup). On a failure the workspace stays allocated, not ready:
+// WorkspaceFree releases it.
 WorkspaceStatus WorkspaceImport(int64_t handle, const std::vector<std::string>& imported,
                                 std::string* message);
 
 // Waits for the work on the workspace's GPUs, then unmaps the other processes' segments
-// (cudaIpcCloseMemHandle); the workspace is no longer returned by WorkspaceLookup, and its own
+// (cudaIpcCloseMemHandle; for fabric handles, cudaFree of the imported pointers and
+// cudaMemPoolDestroy of the imported pools); the workspace is no longer returned by WorkspaceLookup, and its own
 // segments stay allocated until WorkspaceFree, which the other processes' mappings need until
 // they have closed theirs. false when no workspace has that handle.
 bool WorkspaceClose(int64_t handle);
 
 // Frees the workspace `handle` (closes what WorkspaceClose has not, then waits for the work on
-// its GPUs, as cudaFree does). false when no workspace has that handle.
+// its GPUs, as cudaFree does, and destroys its fabric pools). false when no workspace has that
+// handle.
 bool WorkspaceFree(int64_t handle);
+
+// "" when GPU `device` can export a memory pool through a fabric handle (it tries: a pool, an
+// allocation, their export, then frees them), else what the driver reported and what to do.
+std::string WorkspaceFabricProblem(int device);
 
 // The workspace `handle`, copied into *info; false when there is none or it is not ready.
 bool WorkspaceLookup(int64_t handle, WorkspaceInfo* info);

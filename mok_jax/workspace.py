@@ -5,9 +5,9 @@ the routed rows of `mok_jax.expert_parallel` with plain stores into the memory o
 needs them. That memory is the workspace: one segment a rank, the same size and byte layout on
 every rank, each segment reachable from every other rank's kernels. It is allocated by the CUDA
 module (ffi/workspace_cuda.cc) outside XLA's memory, once per (devices, bytes), cached, and
-freed when the process exits; across processes of one host, each process allocates its own
-ranks' segments and maps the others' through CUDA IPC handles exchanged over
-jax.distributed's key-value store.
+freed when the process exits; across processes, each process allocates its own ranks'
+segments and maps the others' through handles exchanged over jax.distributed's key-value
+store: CUDA IPC handles within one host, fabric handles across the hosts of an NVLink domain.
 
 Its byte layout (`Workspace.layout`) is computed here and only here; the kernels get the
 offsets (cuda/ep_transport.h, EpLayout), and the CUDA side checks them against its shapes.
@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import json
 import operator
+import os
 import socket
 import threading
 from typing import Any, NamedTuple, Sequence
@@ -49,6 +50,9 @@ EXCHANGE_TIMEOUT_MS = 120_000
 # before it leaves them to the process's teardown (the driver frees them then).
 EXIT_TIMEOUT_MS = 10_000
 KEY_PREFIX = "mok_jax/workspace"  # of the keys in jax.distributed's key-value store
+# For tests: "1" in this environment variable makes a workspace across processes export fabric
+# handles even where its processes are on one host (unset or "0": CUDA IPC there).
+FABRIC_ENV = "MOK_JAX_WORKSPACE_FABRIC"
 
 
 def _round_up(n: int, m: int) -> int:
@@ -147,14 +151,19 @@ class Workspace:
   (only once no computation that uses it can still run).
 
   Ranks on distinct GPUs of one process need peer access between every pair
-  (cudaDeviceCanAccessPeer). Ranks of several processes of one host (jax.distributed
-  initialised) are built together by those processes: each allocates its ranks' segments and
-  exports a CUDA IPC handle of each; the handles go through jax.distributed's key-value store
-  (`_exchange`); each process maps the others' segments. Every process of the group must
-  create the same workspaces in the same order (lowering the same program does). Freeing one
-  is collective too: each process unmaps the others' segments, says so through the store,
-  and frees its own only once every other process has unmapped them. Ranks on other hosts
-  (an NVL72's fabric handles, CU_MEM_HANDLE_TYPE_FABRIC) are not built: a clear error.
+  (cudaDeviceCanAccessPeer). Ranks of several processes (jax.distributed initialised) are
+  built together by those processes (`_Exchange`): each says which host it is on, allocates
+  its ranks' segments and exports a handle of each, the handles go through jax.distributed's
+  key-value store, and each process maps the others' segments. The handles are CUDA IPC
+  handles where every process is on one host, and fabric handles of memory pools
+  (cudaMemHandleTypeFabric) where the processes span hosts, which map across the hosts of an
+  NVLink domain (NVL72: the driver must support fabric handles and the processes need IMEX
+  channels; a GPU that cannot export them fails the workspace on every process, saying what
+  the driver reported). FABRIC_ENV=1 asks for fabric handles on one host too (tests). Every
+  process of the group must create the same workspaces in the same order (lowering the same
+  program does). Freeing one is collective too: each process unmaps the others' segments,
+  says so through the store, and frees its own only once every other process has unmapped
+  them.
   """
 
   _cache: dict[tuple[tuple[tuple[int, int], ...], int], "Workspace"] = {}
@@ -406,6 +415,23 @@ def _host_id() -> str:
   return f"{socket.gethostname()}/{boot}"
 
 
+def _handle_kind(hosts: dict[int, str]) -> tuple[str, str]:
+  """The kind of handles ("ipc" or "fabric") of a workspace across processes on `hosts`
+  (process index: `_host_id`), and why: CUDA IPC where every process is on one host, fabric
+  handles where they span hosts or where FABRIC_ENV is "1"."""
+  flag = os.environ.get(FABRIC_ENV, "")
+  if flag not in ("", "0", "1"):
+    raise ValueError(f"mok_jax.Workspace: {FABRIC_ENV} must be '1' (fabric handles on one host "
+                     f"too), '0' or unset, got {flag!r}")
+  if len(set(hosts.values())) > 1:
+    where = ", ".join(f"process {p} on {h}" for p, h in sorted(hosts.items()))
+    return "fabric", (f"the processes span {len(set(hosts.values()))} hosts ({where}), where "
+                      "CUDA IPC handles do not map")
+  if flag == "1":
+    return "fabric", f"{FABRIC_ENV}=1 asks for them on one host"
+  return "ipc", "every process is on one host"
+
+
 class _Exchange:
   """The steps of a workspace across processes through jax.distributed's key-value store
   (`client`: key_value_set_bytes, blocking_key_value_get_bytes). Its keys, unique to the
@@ -414,9 +440,13 @@ class _Exchange:
   KEY_PREFIX/<ranks>/<nbytes>/<generation>/<step>/<process>, where <ranks> is
   "<process>.<ordinal>" of each rank joined by "_" and the steps are
 
-      export  {"host", "status", "message", "handles": {rank: hex of its CUDA IPC handle}}
+      host    {"host"}: this process's `_host_id`, which picks the handles (`_handle_kind`)
+      export  {"kind", "status", "message", "handles": {rank: hex of its exported bytes}}
       opened  {"status", "message"}: this process has mapped every other process's segments
       closed  {}: this process has unmapped them (its owner may free them)
+
+  The exported bytes of a segment start with their kind, b"I" (CUDA IPC) or b"F" (fabric):
+  the importer follows them (ffi/workspace_cuda.h).
 
   A process publishes each of its steps before it waits for the other processes' same step,
   so the steps of processes that run the same program never wait on each other in a cycle.
@@ -456,15 +486,26 @@ class _Exchange:
     return records
 
   def create(self, module) -> int:
-    """Allocates and exports this process's segments, exchanges the handles, maps the other
-    processes' segments: the handle of the ready workspace."""
+    """Learns every process's host, allocates and exports this process's segments with the
+    handles that the hosts call for, exchanges the handles, maps the other processes'
+    segments: the handle of the ready workspace."""
     P = len(self.ranks)
     local = [d if p == self.here else -1 for p, d in self.ranks]
     where = f"GPUs {[d for d in local if d >= 0]} of process {self.here}"
-    handle, status, message, exported = module.workspace_export(local, self.nbytes)
     host = _host_id()
+    self._publish("host", {"host": host})
+    hosts = {p: r["host"] for p, r in self._gather("host", EXCHANGE_TIMEOUT_MS).items()}
+    try:
+      kind, why = _handle_kind({**hosts, self.here: host})
+    except ValueError as e:  # the other processes wait for this export: they fail with it
+      self._publish("export", {"kind": None, "status": "bad_argument", "message": str(e),
+                               "handles": {}})
+      raise
+    handle, status, message, exported = module.workspace_export(local, self.nbytes, kind)
+    if status != "ok" and kind == "fabric":
+      message = f"{message} (fabric handles: {why})"
     self._publish("export", {
-        "host": host, "status": status, "message": message,
+        "kind": kind, "status": status, "message": message,
         "handles": {str(s): bytes(exported[s]).hex() for s in range(P) if local[s] >= 0}})
     try:
       _raise_for(status, message, self.nbytes, where)
@@ -475,14 +516,6 @@ class _Exchange:
           raise error(f"mok_jax.Workspace: process {p} could not create its segments "
                              f"of the workspace of ranks {list(self.ranks)} "
                              f"({record['status']}): {record['message']}")
-      for p, record in peers.items():
-        if record["host"] != host:
-          raise NotImplementedError(
-              f"mok_jax.Workspace: process {p} runs on another host ({record['host']}; this "
-              f"process, {self.here}, on {host}): CUDA IPC handles map between processes of "
-              "one host, and a workspace across the hosts of an NVLink domain (NVL72) needs "
-              "fabric handles (CU_MEM_HANDLE_TYPE_FABRIC), which mok_jax does not build. Use "
-              "ep_transport='collective', or EP groups within one host")
     except BaseException:
       # Nobody has mapped this process's segments: they are mapped only once every process
       # has published a good export.

@@ -269,22 +269,41 @@ class FakeStore:
       return self.values[key]
 
 
+# What the CUDA module says of a GPU that cannot export fabric handles (ffi/workspace_cuda.cc).
+NO_FABRIC = ("GPU 0's driver reports the memory-pool handle types 0x1 "
+             "(cudaDevAttrMemoryPoolSupportedHandleTypes), without fabric handles "
+             "(cudaMemHandleTypeFabric = 0x8). Fabric handles need GPUs of one NVLink domain ... "
+             "Use ep_transport='collective', or EP groups within one host (CUDA IPC)")
+
+
+def exported(kind, process, rank):
+  """The stand-in's exported bytes of a segment: the kind byte and the handle's size of
+  ffi/workspace_cuda.h, naming the process and rank."""
+  if kind == "ipc":
+    return b"I" + f"ipc p{process} r{rank}".encode().ljust(64, b".")
+  return b"F" + f"fabric p{process} r{rank}".encode().ljust(128, b".")
+
+
 class FakeCudaModule:
   """The CUDA module's workspace functions of one process, recording each call in `log`
-  (shared by the processes of a test, in the order the calls happen)."""
+  (shared by the processes of a test, in the order the calls happen). `fabric`: False for a
+  GPU that cannot export fabric handles (status not_supported)."""
 
-  def __init__(self, process, log, export_status="ok", import_status="ok"):
+  def __init__(self, process, log, export_status="ok", import_status="ok", fabric=True):
     self.process, self.log = process, log
     self.export_status, self.import_status = export_status, import_status
+    self.fabric = fabric
     self.imported = None
 
-  def workspace_export(self, devices, nbytes):
-    self.log.append(("export", self.process, tuple(devices), nbytes))
+  def workspace_export(self, devices, nbytes, kind):
+    assert kind in ("ipc", "fabric"), kind
+    self.log.append(("export", self.process, tuple(devices), nbytes, kind))
     if self.export_status != "ok":
       return 0, self.export_status, f"export failed on process {self.process}", [b""] * len(devices)
+    if kind == "fabric" and not self.fabric:
+      return 0, "not_supported", NO_FABRIC, [b""] * len(devices)
     return 10 + self.process, "ok", "", [
-        f"ipc p{self.process} r{s}".encode().ljust(64, b".") if d >= 0 else b""
-        for s, d in enumerate(devices)]
+        exported(kind, self.process, s) if d >= 0 else b"" for s, d in enumerate(devices)]
 
   def workspace_import(self, handle, handles):
     self.log.append(("import", self.process, handle))
@@ -306,9 +325,14 @@ RANKS = ((0, 0), (1, 0))  # two processes, each on its GPU 0
 
 
 def _run_processes(store, modules, ranks=RANKS, nbytes=4096, generation=0, hosts=None, steps=2):
-  """Process p's _Exchange.create (then release, for steps=2) in a thread each; the handle or
-  the exception of each process."""
+  """Process p's _Exchange.create (then release, for steps=2) in a thread each, process p on
+  host hosts[p] (default: all on this host); the handle or the exception of each process."""
   results = {}
+  if hosts is not None:
+    host_of = {f"process {p}": h for p, h in hosts.items()}
+    host_id = lambda: host_of[threading.current_thread().name]  # noqa: E731
+  else:
+    host_id = workspace._host_id
 
   def run(p):
     ex = workspace._Exchange(store, ranks, nbytes, generation, p)
@@ -320,11 +344,13 @@ def _run_processes(store, modules, ranks=RANKS, nbytes=4096, generation=0, hosts
     except Exception as e:  # noqa: BLE001 - the test looks at it
       results[p] = e
 
-  threads = [threading.Thread(target=run, args=(p,)) for p in sorted(modules)]
-  for t in threads:
-    t.start()
-  for t in threads:
-    t.join(30)
+  threads = [threading.Thread(target=run, args=(p,), name=f"process {p}") for p in sorted(modules)]
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(workspace, "_host_id", host_id)
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join(30)
   assert not any(t.is_alive() for t in threads)
   return results
 
@@ -339,21 +365,96 @@ def test_exchange_maps_each_others_handles_and_frees_after_every_close(short_wai
   modules = {p: FakeCudaModule(p, log) for p in (0, 1)}
   results = _run_processes(store, modules)
   assert results == {0: 10, 1: 11}
-  # Each process exported its own rank (-1 for the other's) and imported the other's handle.
+  # Each process exported its own rank (-1 for the other's) as CUDA IPC handles (one host) and
+  # imported the other's handle.
   assert sorted(e for e in log if e[0] == "export") == [
-      ("export", 0, (0, -1), 4096), ("export", 1, (-1, 0), 4096)]
-  assert modules[0].imported == [b"", b"ipc p1 r1".ljust(64, b".")]
-  assert modules[1].imported == [b"ipc p0 r0".ljust(64, b"."), b""]
+      ("export", 0, (0, -1), 4096, "ipc"), ("export", 1, (-1, 0), 4096, "ipc")]
+  assert modules[0].imported == [b"", exported("ipc", 1, 1)]
+  assert modules[1].imported == [exported("ipc", 0, 0), b""]
   # No process frees its segment before every process has closed its mappings.
   last_close = max(i for i, e in enumerate(log) if e[0] == "close")
   assert all(i > last_close for i, e in enumerate(log) if e[0] == "free")
   assert sorted(e[1] for e in log if e[0] == "free") == [0, 1]
   prefix = "mok_jax/workspace/0.0_1.0/4096/0"
   assert sorted(store.values) == sorted(f"{prefix}/{step}/{p}" for step in
-                                        ("export", "opened", "closed") for p in (0, 1))
+                                        ("host", "export", "opened", "closed") for p in (0, 1))
+  assert json.loads(store.values[f"{prefix}/host/1"]) == {"host": workspace._host_id()}
   record = json.loads(store.values[f"{prefix}/export/1"])
-  assert record["status"] == "ok" and record["host"] == workspace._host_id()
-  assert bytes.fromhex(record["handles"]["1"]) == b"ipc p1 r1".ljust(64, b".")
+  assert record["status"] == "ok" and record["kind"] == "ipc"
+  assert bytes.fromhex(record["handles"]["1"]) == exported("ipc", 1, 1)
+
+
+def test_exchange_across_hosts_exports_fabric_handles(short_waits):
+  store, log = FakeStore(), []
+  modules = {p: FakeCudaModule(p, log) for p in (0, 1)}
+  results = _run_processes(store, modules, hosts={0: "node-a/boot-a", 1: "node-b/boot-b"})
+  assert results == {0: 10, 1: 11}
+  assert sorted(e for e in log if e[0] == "export") == [
+      ("export", 0, (0, -1), 4096, "fabric"), ("export", 1, (-1, 0), 4096, "fabric")]
+  assert modules[0].imported == [b"", exported("fabric", 1, 1)]
+  assert modules[1].imported == [exported("fabric", 0, 0), b""]
+  prefix = "mok_jax/workspace/0.0_1.0/4096/0"
+  assert json.loads(store.values[f"{prefix}/host/1"]) == {"host": "node-b/boot-b"}
+  assert json.loads(store.values[f"{prefix}/export/0"])["kind"] == "fabric"
+  # Freed in order, as with CUDA IPC handles.
+  last_close = max(i for i, e in enumerate(log) if e[0] == "close")
+  assert all(i > last_close for i, e in enumerate(log) if e[0] == "free")
+
+
+def test_exchange_three_processes_two_hosts_all_take_fabric(short_waits):
+  """One process on another host makes every process export fabric handles, those of one host
+  too (one kind for the workspace)."""
+  store, log = FakeStore(), []
+  ranks = ((0, 0), (1, 0), (2, 0))
+  modules = {p: FakeCudaModule(p, log) for p in (0, 1, 2)}
+  results = _run_processes(store, modules, ranks=ranks,
+                           hosts={0: "node-a/x", 1: "node-a/x", 2: "node-b/y"})
+  assert results == {0: 10, 1: 11, 2: 12}
+  assert sorted(e[4] for e in log if e[0] == "export") == ["fabric"] * 3
+  assert modules[1].imported == [exported("fabric", 0, 0), b"", exported("fabric", 2, 2)]
+
+
+@pytest.mark.parametrize("flag,kind", [("1", "fabric"), ("0", "ipc"), ("", "ipc")])
+def test_exchange_fabric_env_on_one_host(short_waits, monkeypatch, flag, kind):
+  monkeypatch.setenv(workspace.FABRIC_ENV, flag)
+  store, log = FakeStore(), []
+  modules = {p: FakeCudaModule(p, log) for p in (0, 1)}
+  assert _run_processes(store, modules) == {0: 10, 1: 11}
+  assert sorted(e[4] for e in log if e[0] == "export") == [kind, kind]
+  assert modules[0].imported == [b"", exported(kind, 1, 1)]
+
+
+def test_exchange_a_bad_fabric_env_fails_every_process(short_waits, monkeypatch):
+  monkeypatch.setenv(workspace.FABRIC_ENV, "yes")
+  store, log = FakeStore(), []
+  modules = {p: FakeCudaModule(p, log) for p in (0, 1)}
+  results = _run_processes(store, modules, steps=1)
+  for p in (0, 1):
+    assert isinstance(results[p], (ValueError, RuntimeError)), results[p]
+    assert re.search(r"MOK_JAX_WORKSPACE_FABRIC must be '1' .*, '0' or unset, got 'yes'",
+                     str(results[p]))
+  assert not log  # nothing allocated
+
+
+def test_exchange_across_hosts_a_gpu_without_fabric_fails_every_process(short_waits):
+  """A process whose GPU cannot export fabric handles fails, and so does the other (what the
+  driver reported, what to do, and why fabric handles were needed); nothing is imported."""
+  store, log = FakeStore(), []
+  modules = {0: FakeCudaModule(0, log), 1: FakeCudaModule(1, log, fabric=False)}
+  results = _run_processes(store, modules, hosts={0: "node-a/boot-a", 1: "node-b/boot-b"},
+                           steps=1)
+  assert isinstance(results[1], RuntimeError) and isinstance(results[0], RuntimeError)
+  why = (r"\(fabric handles: the processes span 2 hosts \(process 0 on node-a/boot-a, process 1 "
+         r"on node-b/boot-b\), where CUDA IPC handles do not map\)")
+  assert re.search(r"mok_jax.Workspace on GPUs \[0\] of process 1: GPU 0's driver reports the "
+                   r"memory-pool handle types 0x1 .*ep_transport='collective', or EP groups "
+                   r"within one host.*" + why, str(results[1]))
+  assert re.search(r"process 1 could not create its segments of the workspace of ranks "
+                   r"\[\(0, 0\), \(1, 0\)\] \(not_supported\): GPU 0's driver reports.*"
+                   r"ep_transport='collective'.*" + why, str(results[0]))
+  assert [e[0] for e in log if e[1] == 0] == ["export", "free"]
+  assert [e[0] for e in log if e[1] == 1] == ["export"]  # it allocated nothing to free
+  assert not [e for e in log if e[0] == "import"]
 
 
 def test_exchange_generations_do_not_reuse_keys(short_waits):
@@ -392,26 +493,41 @@ def test_exchange_a_failed_mapping_releases_in_order(short_waits):
   assert all(i > last_close for i, e in enumerate(log) if e[0] == "free")
 
 
-def test_exchange_refuses_another_host(short_waits, monkeypatch):
+def test_exchange_with_a_peer_of_another_host_from_its_records(short_waits):
+  """The other process's records as a process of another host writes them: this process
+  exports fabric handles and imports the peer's."""
   store, log = FakeStore(), []
-  # The other process's export record as a process of another host writes it.
-  store.key_value_set_bytes("mok_jax/workspace/0.0_1.0/4096/0/export/1", json.dumps({
-      "host": "elsewhere/boot", "status": "ok", "message": "",
-      "handles": {"1": (b"x" * 64).hex()}}).encode())
-  ex = workspace._Exchange(store, RANKS, 4096, 0, 0)
-  with pytest.raises(NotImplementedError, match=r"process 1 runs on another host \(elsewhere/"
-                     r"boot.*fabric handles \(CU_MEM_HANDLE_TYPE_FABRIC\)"):
-    ex.create(FakeCudaModule(0, log))
-  assert [e[0] for e in log] == ["export", "free"]
+  prefix = "mok_jax/workspace/0.0_1.0/4096/0"
+  peer = {"host": {"host": "elsewhere/boot"},
+          "export": {"kind": "fabric", "status": "ok", "message": "",
+                     "handles": {"1": exported("fabric", 1, 1).hex()}},
+          "opened": {"status": "ok", "message": ""}}
+  for step, record in peer.items():
+    store.key_value_set_bytes(f"{prefix}/{step}/1", json.dumps(record).encode())
+  module = FakeCudaModule(0, log)
+  assert workspace._Exchange(store, RANKS, 4096, 0, 0).create(module) == 10
+  assert log == [("export", 0, (0, -1), 4096, "fabric"), ("import", 0, 10)]
+  assert module.imported == [b"", exported("fabric", 1, 1)]
 
 
 def test_exchange_a_missing_process_times_out_naming_it(monkeypatch):
   monkeypatch.setattr(workspace, "EXCHANGE_TIMEOUT_MS", 100)
   store, log = FakeStore(), []
   ex = workspace._Exchange(store, RANKS, 4096, 0, 0)
-  with pytest.raises(RuntimeError, match=r"process 0 waited 0.1 s for process 1's 'export' of "
+  with pytest.raises(RuntimeError, match=r"process 0 waited 0.1 s for process 1's 'host' of "
                      r"the workspace of ranks \[\(0, 0\), \(1, 0\)\] \(key "
-                     r"'mok_jax/workspace/0.0_1.0/4096/0/export/1'\).*same program"):
+                     r"'mok_jax/workspace/0.0_1.0/4096/0/host/1'\).*same program"):
+    ex.create(FakeCudaModule(0, log))
+  assert not log  # nothing is allocated before every process's host is known
+
+
+def test_exchange_a_peer_missing_after_its_host_times_out_and_frees(monkeypatch):
+  monkeypatch.setattr(workspace, "EXCHANGE_TIMEOUT_MS", 100)
+  store, log = FakeStore(), []
+  store.key_value_set_bytes("mok_jax/workspace/0.0_1.0/4096/0/host/1",
+                            json.dumps({"host": workspace._host_id()}).encode())
+  ex = workspace._Exchange(store, RANKS, 4096, 0, 0)
+  with pytest.raises(RuntimeError, match=r"waited 0.1 s for process 1's 'export'"):
     ex.create(FakeCudaModule(0, log))
   assert [e[0] for e in log] == ["export", "free"]
 
@@ -447,24 +563,25 @@ def test_get_across_processes_caches_and_frees_collectively(monkeypatch, short_w
 
   def peer_steps(generation, steps):
     prefix = f"mok_jax/workspace/0.0_1.0/4096/{generation}"
-    records = {"export": {"host": workspace._host_id(), "status": "ok", "message": "",
-                          "handles": {"1": (b"p1" * 32).hex()}},
+    records = {"host": {"host": workspace._host_id()},
+               "export": {"kind": "ipc", "status": "ok", "message": "",
+                          "handles": {"1": exported("ipc", 1, 1).hex()}},
                "opened": {"status": "ok", "message": ""}, "closed": {}}
     for step in steps:
       store.key_value_set_bytes(f"{prefix}/{step}/1", json.dumps(records[step]).encode())
 
-  peer_steps(0, ("export", "opened"))
+  peer_steps(0, ("host", "export", "opened"))
   devices = [_fake_device(0), _fake_device(process_index=1)]
   ws = Workspace.get(devices, 4096)
   assert Workspace.get([(0, 0), (1, 0)], 4096) is ws
   assert (ws.processes, ws.devices, ws.handle) == ((0, 1), (0, 0), 10)
-  assert module.imported == [b"", b"p1" * 32]
+  assert module.imported == [b"", exported("ipc", 1, 1)]
   assert "ranks=[(0, 0), (1, 0)]" in repr(ws)
   with pytest.raises(RuntimeError, match=r"waited 0.05 s for process 1's 'closed'.*stay "
                      r"allocated"):
     ws.free(timeout_ms=50)  # the other process has not unmapped: nothing is freed
   assert [e[0] for e in log] == ["export", "import", "close"]
-  peer_steps(1, ("export", "opened", "closed"))
+  peer_steps(1, ("host", "export", "opened", "closed"))
   ws2 = Workspace.get(devices, 4096)
   assert ws2 is not ws
   ws2.free()
