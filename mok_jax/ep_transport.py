@@ -115,13 +115,14 @@ def auto_declines() -> str | None:
 
   Across processes: whether every rank is reachable (the processes on one host, their GPUs
   peers) is known only once the workspace's handles are exchanged, which happens when the
-  program is lowered, after the transport has been picked; and an EP group across hosts needs
-  fabric handles, which mok_jax does not build. So "auto" keeps XLA's collectives there and
-  "nvlink" opts in."""
+  program is lowered, after the transport has been picked (and across hosts only where the
+  driver exports fabric handles). So "auto" keeps XLA's collectives there and "nvlink" opts
+  in."""
   if jax.process_count() > 1:
     return (f"the JAX job has {jax.process_count()} processes: 'auto' keeps XLA's collectives "
             "across processes; ep_transport='nvlink' maps the workspace through CUDA IPC "
-            "between the processes of one host")
+            "between the processes of one host, and through fabric handles across the hosts "
+            "of an NVLink domain")
   return None
 
 
