@@ -8,7 +8,7 @@
 #   tests[:FILES]      python -m pytest -m gpu on FILES (comma-separated; default: every test
 #                      file, the transforms' first), one line a test as it ends, so that a
 #                      stage stopped by its timeout still shows what ran (the sanitizer tests
-#                      are left to the next stage)
+#                      are left to the next stage); the failures' messages on stdout too
 #   sanitize[:T,...]   tools/sanitize.sh with tools T (default: memcheck,initcheck,racecheck)
 #   bench[:ARGS]       python -m mok_jax.bench ARGS (default: every shape, every peer), with its
 #                      records, table, chart and workers' logs in $OUT
@@ -35,10 +35,14 @@ for stage in "$@"; do
       first="tests/test_transforms.py tests/test_vmap.py tests/test_nan_locality.py"
       rest=$(ls tests/test_*.py | grep -v -F -x -f <(tr ' ' '\n' <<< "$first"))
       files=${arg:-$first $rest}
-      timeout "$limit" python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider \
-        --durations=15 --deselect tests/test_sanitizer_cuda.py --junitxml "$out/gpu-tests.xml" \
+      timeout "$limit" python3 -m pytest -v --tb=short -rfE -m gpu -p no:cacheprovider \
+        --durations=15 --deselect tests/test_sanitizer_cuda.py \
         ${files//,/ } > "$out/gpu-tests.log" 2>&1
-      rc=$?; tail -3 "$out/gpu-tests.log"; (exit $rc) ;;
+      # The failures with their messages (pytest's short summary), else the last lines: a
+      # stage's one file may not come back from the machine, its output does.
+      rc=$?
+      sed -n '/short test summary info/,$p' "$out/gpu-tests.log" | cut -c1-300 | head -40
+      tail -3 "$out/gpu-tests.log"; (exit $rc) ;;
     sanitize)
       SANITIZE_LOGS="$out/sanitize" timeout "$limit" bash tools/sanitize.sh ${arg//,/ } ;;
     bench)
