@@ -678,14 +678,9 @@ bool WorkspaceFree(int64_t handle) {
 }
 
 std::string WorkspaceFabricProblem(int device) {
-  int count = 0;
-  if (const cudaError_t err = cudaGetDeviceCount(&count); err != cudaSuccess) {
-    cudaGetLastError();
-    return "cudaGetDeviceCount failed (" + CudaText(err) + ")";
-  }
-  if (device < 0 || device >= count)
-    return "GPU " + std::to_string(device) + " does not exist (" + std::to_string(count) +
-           " CUDA GPU(s) visible)";
+  std::string message, blob;
+  if (CheckDevices({device}, kSegmentAlign, false, &message) != WorkspaceStatus::kOk)
+    return message;
   CurrentDevice keep;
   if (const cudaError_t err = cudaSetDevice(device); err != cudaSuccess) {
     cudaGetLastError();
@@ -693,7 +688,6 @@ std::string WorkspaceFabricProblem(int device) {
   }
   cudaMemPool_t pool = nullptr;
   void* pointer = nullptr;
-  std::string message, blob;
   WorkspaceStatus status = AllocatePooled(device, kSegmentAlign, {}, &pool, &pointer, &message);
   if (status == WorkspaceStatus::kOk)
     status = ExportSegment(WorkspaceHandleKind::kFabric, device, pointer, pool, &blob, &message);

@@ -103,9 +103,9 @@ WorkspaceStatus WorkspaceImport(int64_t handle, const std::vector<std::string>& 
 
 // Waits for the work on the workspace's GPUs, then unmaps the other processes' segments
 // (cudaIpcCloseMemHandle; for fabric handles, cudaFree of the imported pointers and
-// cudaMemPoolDestroy of the imported pools); the workspace is no longer returned by WorkspaceLookup, and its own
-// segments stay allocated until WorkspaceFree, which the other processes' mappings need until
-// they have closed theirs. false when no workspace has that handle.
+// cudaMemPoolDestroy of the imported pools); the workspace is no longer returned by
+// WorkspaceLookup, and its own segments stay allocated until WorkspaceFree, which the other
+// processes' mappings need until they have closed theirs. false when no workspace has that handle.
 bool WorkspaceClose(int64_t handle);
 
 // Frees the workspace `handle` (closes what WorkspaceClose has not, then waits for the work on
