@@ -1,7 +1,8 @@
 """The FFI targets mok_moe_fwd / mok_moe_bwd called directly, with bad arguments: through
 mok_jax.ops (ValueError at trace time) and through jax.ffi.ffi_call, past the Python checks,
 with wrong shapes and corrupted layout residuals (an ffi::Error naming the argument, never a
-crash or an out-of-bounds access)."""
+crash or an out-of-bounds access). They run on the CPU, a GPU machine's included: the C++ CPU
+targets take the f32 operands the cases use, which the CUDA ones refuse."""
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,12 @@ from mok_jax import ops
 T, H, I, E, K, IS, BLOCK_M = 4, 8, 6, 3, 2, 5, 4
 R = ops.routed_rows(T * K, E, BLOCK_M)
 f32, bf16, s32 = jnp.float32, jnp.bfloat16, jnp.int32
+
+
+@pytest.fixture(autouse=True)
+def _on_the_cpu():
+  with jax.default_device(jax.devices("cpu")[0]):
+    yield
 
 
 def sds(shape, dtype=f32):
