@@ -2,6 +2,7 @@
 #include "workspace_cuda.h"
 
 #include <cuda_runtime_api.h>
+#include <dirent.h>
 
 #include <cstdio>
 #include <cstring>
@@ -186,7 +187,19 @@ WorkspaceStatus NoFabric(const std::string& what, std::string* message) {
   return WorkspaceStatus::kNotSupported;
 }
 
-// "" when GPU `device` reports fabric handles for its memory pools, else what it reports.
+constexpr const char* kImexChannels = "/dev/nvidia-caps-imex-channels";
+
+bool HasImexChannel() {
+  DIR* dir = opendir(kImexChannels);
+  if (!dir) return false;
+  bool found = false;
+  while (const dirent* e = readdir(dir)) found = found || std::strncmp(e->d_name, "channel", 7) == 0;
+  closedir(dir);
+  return found;
+}
+
+// "" when GPU `device` reports fabric handles for its memory pools and the machine has an IMEX
+// channel, else what is missing.
 std::string FabricAttributeProblem(int device) {
   const std::string gpu = "GPU " + std::to_string(device);
   int pools = 0, types = 0;
@@ -205,6 +218,11 @@ std::string FabricAttributeProblem(int device) {
            " (cudaDevAttrMemoryPoolSupportedHandleTypes), without fabric handles "
            "(cudaMemHandleTypeFabric = 0x8)";
   }
+  // The driver reports fabric handles without an IMEX channel too, and then refuses to export
+  // them (cudaErrorNotPermitted) after the pool is made: see AllocatePooled.
+  if (!HasImexChannel())
+    return "this machine has no IMEX channel (no " + std::string(kImexChannels) +
+           "/channel*), which fabric handles go through";
   return "";
 }
 
@@ -228,6 +246,17 @@ WorkspaceStatus AllocatePooled(int device, int64_t bytes, const std::vector<int>
     *pool = nullptr;
     return NoFabric("cudaMemPoolCreate of a pool with fabric handles (cudaMemHandleTypeFabric) "
                     "on " + gpu + " failed (" + CudaText(err) + ")", message);
+  }
+  // The pool's export is tried before anything is allocated from it. A pool whose export has
+  // failed is left to the process's end, never destroyed: driver 580 crashes (SIGSEGV) in
+  // cudaMemPoolDestroy, and in cudaFree of its allocations, after that failure.
+  cudaMemFabricHandle_t trial;
+  if (const cudaError_t err =
+          cudaMemPoolExportToShareableHandle(&trial, *pool, cudaMemHandleTypeFabric, 0);
+      err != cudaSuccess) {
+    *pool = nullptr;
+    return NoFabric("cudaMemPoolExportToShareableHandle of " + gpu + "'s pool as a fabric "
+                    "handle failed (" + CudaText(err) + ")", message);
   }
   cudaError_t err = cudaMallocFromPoolAsync(pointer, static_cast<size_t>(bytes), *pool, nullptr);
   if (err == cudaSuccess) err = cudaStreamSynchronize(nullptr);

@@ -61,16 +61,75 @@ def _blocked(a, block):
   return a.reshape(*a.shape[:-2], a.shape[-2] // bm, bm, a.shape[-1] // bn, bn)
 
 
-def _divide(a, b):
-  """a / b correctly rounded. XLA:CPU turns a division by a divisor that is the same across a
-  loop (a constant, a block's scale) into a multiplication by its reciprocal, one rounding
-  more; a divisor written to vary with a (b + 0 a) keeps the division. (0 a is NaN where a is
-  not finite, and so is the quotient then.)"""
-  return a / (b + 0.0 * a)
+# Division. XLA:GPU divides f32 within 2 ulp, not correctly rounded, and XLA:CPU turns a
+# division by a block's scale into a multiplication by its reciprocal, one rounding more. The
+# spec's values are those of correctly rounded quotients, so each quotient a / b is taken as
+# an estimate within a few ulp, and what depends on its last bits is decided exactly from a and
+# b: by remainders a - b c, exact in f32 when c is near a / b and b c is a sum of exact products
+# (_halves).
+_INF = float("inf")
+_F32_MAX_ULPS = 8  # how far from the correctly rounded quotient an estimate may lie, in ulp
+
+
+def _halves(b):
+  """b = hi + lo, hi with the 12 leading bits of b's significand and lo the rest (at most 12
+  bits): the product of either with a value of at most 12 significant bits is exact in f32."""
+  bits = jax.lax.bitcast_convert_type(b, jnp.uint32) & jnp.uint32(0xFFFFF000)
+  hi = jax.lax.bitcast_convert_type(bits, jnp.float32)
+  return hi, b - hi
+
+
+def _over_e4m3_max(amax, c):
+  """amax / 448 correctly rounded (amax >= 0), from c, an estimate of it within a few ulp.
+
+  448 c = 7 (64 c): 7 times either half of 64 c is exact, and so is the remainder
+  r = amax - 448 c built from them while c is near the quotient. The quotient lies within half
+  an ulp of c, on either side, exactly when -224 ulp_below(c) <= r <= 224 ulp_above(c) (no
+  quotient of an f32 by 448 lies half-way between two f32 values: that would take more than 24
+  bits of amax); else c steps one ulp towards it."""
+  for _ in range(3):
+    hi, lo = _halves(64 * c)
+    r = (amax - 7 * hi) - 7 * lo
+    up, down = jnp.nextafter(c, jnp.float32(_INF)), jnp.nextafter(c, jnp.float32(0))
+    c = jnp.where(r > 224 * (up - c), up, jnp.where(r < -224 * (c - down), down, c))
+  return c
+
+
+def _e4m3_of_quotient(a, s, q):
+  """clip(a / s, +-448) correctly rounded to f32, then to the nearest e4m3 (ties to even), as
+  f32 values; s > 0 (a block's scale, broadcast to a's shape), q an estimate of a / s within a
+  few ulp.
+
+  q's own e4m3 rounding is the right one unless an e4m3 midpoint m (half-way between two
+  neighbouring e4m3 values lo and hi) lies within a few ulp of |q|. There the side of m that
+  the correctly rounded quotient lies on is decided exactly: m has at most 5 significant bits,
+  so d = |a| - s m, built from s's halves, is exact; the f32 quotient is hi when
+  d > s ulp_above(m) / 2, lo when d < -s ulp_below(m) / 2, and else m itself, an e4m3 tie
+  that goes to the even one of lo and hi."""
+  f32 = jnp.float32
+  q = jnp.clip(q, -E4M3_MAX, E4M3_MAX)
+  size = jnp.abs(q)
+  bits = jax.lax.bitcast_convert_type(size.astype(E4M3), jnp.uint8)  # 0 .. 0x7E (448)
+  e4m3 = lambda b: jax.lax.bitcast_convert_type(b, E4M3).astype(f32)  # noqa: E731
+  v = e4m3(bits)
+  above = size >= v  # the midpoint nearest to |q| is above v's value, else below it
+  lo_bits = jnp.where(above, bits, jnp.maximum(bits, 1) - 1)
+  hi_bits = jnp.where(above, jnp.minimum(bits + 1, 0x7E), bits)
+  lo, hi = e4m3(lo_bits), e4m3(hi_bits)
+  m = (lo + hi) * 0.5
+  ulp_above = jnp.nextafter(m, f32(_INF)) - m
+  ulp_below = m - jnp.nextafter(m, f32(0))
+  near = (size - m <= _F32_MAX_ULPS * ulp_above) & (m - size <= _F32_MAX_ULPS * ulp_below)
+  s_hi, s_lo = _halves(s)
+  d = (jnp.abs(a) - s_hi * m) - s_lo * m
+  tie = jnp.where(lo_bits % 2 == 0, lo, hi)
+  exact = jnp.where(d > s * ulp_above * 0.5, hi, jnp.where(d < -s * ulp_below * 0.5, lo, tie))
+  rounded = jnp.copysign(jnp.where(near, exact, v), q)
+  return jnp.where(jnp.isnan(q), q, rounded)
 
 
 def _scales(amax, recipe):
-  ratio = _divide(amax, jnp.float32(E4M3_MAX))
+  ratio = _over_e4m3_max(amax, amax / jnp.float32(E4M3_MAX))
   if recipe == "fp8":
     scale = ratio
   else:
@@ -91,7 +150,8 @@ def quantize(a, block: tuple[int, int], recipe: str) -> Blocks:
   blocks = _blocked(a32, block)
   amax = jnp.max(jnp.abs(blocks), axis=(-3, -1))  # (..., M / bm, N / bn)
   scale = _scales(amax, recipe)
-  values = jnp.clip(_divide(blocks, scale[..., :, None, :, None]), -E4M3_MAX, E4M3_MAX)
+  s = scale[..., :, None, :, None]
+  values = _e4m3_of_quotient(blocks, s, blocks / s)
   data = values.reshape(*values.shape[:-4], -1, values.shape[-2] * values.shape[-1])
   return Blocks(data[..., :M, :N].astype(E4M3), scale)
 

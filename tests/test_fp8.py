@@ -50,6 +50,42 @@ def test_quantizer_has_the_numpy_bits(recipe, shape, block):
   assert np.abs(deq - a).max() <= np.abs(a).max() / 16 + 1e-30  # half an e4m3 step at most
 
 
+def ulps_away(x, k):
+  """x moved k f32 ulp (up for k > 0)."""
+  for _ in range(abs(k)):
+    x = np.nextafter(x, np.float32(np.inf if k > 0 else -np.inf))
+  return x
+
+
+@pytest.mark.parametrize("k", [-3, -1, 0, 1, 3])
+def test_quantizer_takes_quotients_for_estimates(k):
+  """XLA:GPU's f32 division is within 2 ulp, not correctly rounded (XLA:CPU's, by a block's
+  scale, is a product by its reciprocal): the quantizer takes each quotient for an estimate and
+  decides the bits that depend on it exactly. Estimates k ulp off give NumPy's bits, for scales
+  and for values at, beside and between every e4m3 midpoint, ties included (quotients that are
+  exactly a midpoint, which round to the even neighbour)."""
+  rng = np.random.default_rng(7)
+  e4m3 = np.arange(0x7F, dtype=np.uint8).view(fp8_cases.E4M3).astype(np.float32)
+  mids = (e4m3[:-1] + e4m3[1:]) / 2
+  scales = np.concatenate([rng.uniform(1e-3, 10, 40), 1.5 * np.exp2(rng.integers(-8, 8, 8))])
+  scales = scales.astype(np.float32)
+  s = np.repeat(scales, mids.size)
+  at = np.tile(mids, scales.size) * s  # exactly s m where s has few bits: quotient m, a tie
+  a = np.concatenate([ulps_away(at, j) for j in range(-2, 3)] +
+                     [rng.standard_normal(at.size).astype(np.float32) * s * 100])
+  a = np.where(rng.random(a.size) < 0.5, -a, a).astype(np.float32)
+  s = np.tile(s, a.size // s.size)
+  want = np.clip(a / s, -448, 448).astype(fp8_cases.E4M3)
+  got = jax.jit(quantize._e4m3_of_quotient)(a, s, ulps_away(a / s, k))
+  np.testing.assert_array_equal(np.asarray(got).astype(fp8_cases.E4M3).view(np.uint8),
+                                want.view(np.uint8))
+  amax = np.abs(rng.standard_normal(4096) * np.exp2(rng.integers(-40, 40, 4096))).astype(
+      np.float32)
+  got = jax.jit(quantize._over_e4m3_max)(amax, ulps_away(amax / np.float32(448), k))
+  np.testing.assert_array_equal(np.asarray(got).view(np.uint32),
+                                (amax / np.float32(448)).view(np.uint32))
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_quantized_dot_against_float64_on_its_blocks(recipe):
   rng = np.random.default_rng(1)
