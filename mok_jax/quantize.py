@@ -95,36 +95,46 @@ def _over_e4m3_max(amax, c):
   return c
 
 
+def _pow2(k):
+  """2^k as f32 for integer arrays k in f32's normal range, built from its bits."""
+  return jax.lax.bitcast_convert_type((k + 127).astype(jnp.uint32) << 23, jnp.float32)
+
+
+def _exponent(x):
+  """floor(log2 x) for normal f32 x > 0 (-127 for 0 and subnormals), from its bits."""
+  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  return ((bits >> 23) & 0xFF).astype(jnp.int32) - 127
+
+
 def _e4m3_of_quotient(a, s, q):
   """clip(a / s, +-448) correctly rounded to f32, then to the nearest e4m3 (ties to even), as
   f32 values; s > 0 (a block's scale, broadcast to a's shape), q an estimate of a / s within a
   few ulp.
 
-  q's own e4m3 rounding is the right one unless an e4m3 midpoint m (half-way between two
-  neighbouring e4m3 values lo and hi) lies within a few ulp of |q|. There the side of m that
-  the correctly rounded quotient lies on is decided exactly: m has at most 5 significant bits,
-  so d = |a| - s m, built from s's halves, is exact; the f32 quotient is hi when
-  d > s ulp_above(m) / 2, lo when d < -s ulp_below(m) / 2, and else m itself, an e4m3 tie
-  that goes to the even one of lo and hi."""
-  f32 = jnp.float32
-  q = jnp.clip(q, -E4M3_MAX, E4M3_MAX)
-  size = jnp.abs(q)
-  bits = jax.lax.bitcast_convert_type(size.astype(E4M3), jnp.uint8)  # 0 .. 0x7E (448)
-  e4m3 = lambda b: jax.lax.bitcast_convert_type(b, E4M3).astype(f32)  # noqa: E731
-  v = e4m3(bits)
-  above = size >= v  # the midpoint nearest to |q| is above v's value, else below it
-  lo_bits = jnp.where(above, bits, jnp.maximum(bits, 1) - 1)
-  hi_bits = jnp.where(above, jnp.minimum(bits + 1, 0x7E), bits)
-  lo, hi = e4m3(lo_bits), e4m3(hi_bits)
-  m = (lo + hi) * 0.5
-  ulp_above = jnp.nextafter(m, f32(_INF)) - m
-  ulp_below = m - jnp.nextafter(m, f32(0))
-  near = (size - m <= _F32_MAX_ULPS * ulp_above) & (m - size <= _F32_MAX_ULPS * ulp_below)
+  |q| lies between the neighbouring e4m3 values lo = n g and hi = lo + g (g the e4m3 spacing
+  of its binade, 2^-9 below 2^-6), and its rounding is the right one unless the midpoint
+  m = lo + g / 2 lies within a few ulp of it. There the side of m that the correctly rounded
+  quotient lies on is decided exactly: m has at most 5 significant bits, so d = |a| - s m,
+  built from s's halves, is exact; the f32 quotient is above m when d > s ulp(m) / 2, below
+  when d < -s ulp_below(m) / 2, and else m itself, a tie that goes to the even one of n and
+  n + 1. Only exact f32 operations are used (products by powers of two, floor, sums of
+  neighbours, comparisons) and integer ones on the bits, none whose rounding a backend may
+  change."""
+  size = jnp.minimum(jnp.abs(q), E4M3_MAX)
+  spacing = jnp.maximum(_exponent(size), -6) - 3
+  n = jnp.floor(size * _pow2(-spacing))
+  g = _pow2(spacing)
+  lo = n * g
+  m = lo + 0.5 * g
+  ulp = _pow2(_exponent(m) - 23)
+  power_of_two = (jax.lax.bitcast_convert_type(m, jnp.uint32) & 0x7FFFFF) == 0  # m = 2^-10
+  ulp_below = jnp.where(power_of_two, 0.5 * ulp, ulp)
+  near = (size - m <= _F32_MAX_ULPS * ulp) & (m - size <= _F32_MAX_ULPS * ulp_below)
   s_hi, s_lo = _halves(s)
   d = (jnp.abs(a) - s_hi * m) - s_lo * m
-  tie = jnp.where(lo_bits % 2 == 0, lo, hi)
-  exact = jnp.where(d > s * ulp_above * 0.5, hi, jnp.where(d < -s * ulp_below * 0.5, lo, tie))
-  rounded = jnp.copysign(jnp.where(near, exact, v), q)
+  odd = jnp.fmod(n, 2) == 1
+  up = jnp.where(near, (d > s * ulp * 0.5) | ((d >= -s * ulp_below * 0.5) & odd), size > m)
+  rounded = jnp.copysign(jnp.where(up, lo + g, lo), q)
   return jnp.where(jnp.isnan(q), q, rounded)
 
 

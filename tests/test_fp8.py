@@ -62,15 +62,17 @@ def test_quantizer_takes_quotients_for_estimates(k):
   """XLA:GPU's f32 division is within 2 ulp, not correctly rounded (XLA:CPU's, by a block's
   scale, is a product by its reciprocal): the quantizer takes each quotient for an estimate and
   decides the bits that depend on it exactly. Estimates k ulp off give NumPy's bits, for scales
-  and for values at, beside and between every e4m3 midpoint, ties included (quotients that are
-  exactly a midpoint, which round to the even neighbour)."""
+  and for quotients at and beside every e4m3 midpoint m (ties, which round to the even
+  neighbour, where the scale has few bits) and beside the edges m +- ulp / 2 of the f32 values
+  that round to m (where which f32 value the quotient rounds to decides tie or not)."""
   rng = np.random.default_rng(7)
   e4m3 = np.arange(0x7F, dtype=np.uint8).view(fp8_cases.E4M3).astype(np.float32)
   mids = (e4m3[:-1] + e4m3[1:]) / 2
+  up, down = np.nextafter(mids, np.float32(np.inf)) - mids, mids - np.nextafter(mids, 0)
+  targets = np.concatenate([mids, mids + up / 2.0, mids - down / 2.0]).astype(np.float64)
   scales = np.concatenate([rng.uniform(1e-3, 10, 40), 1.5 * np.exp2(rng.integers(-8, 8, 8))])
-  scales = scales.astype(np.float32)
-  s = np.repeat(scales, mids.size)
-  at = np.tile(mids, scales.size) * s  # exactly s m where s has few bits: quotient m, a tie
+  s = np.repeat(scales.astype(np.float32), targets.size)
+  at = (np.tile(targets, scales.size) * s).astype(np.float32)  # s m exactly where s is short
   a = np.concatenate([ulps_away(at, j) for j in range(-2, 3)] +
                      [rng.standard_normal(at.size).astype(np.float32) * s * 100])
   a = np.where(rng.random(a.size) < 0.5, -a, a).astype(np.float32)
