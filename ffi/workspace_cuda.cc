@@ -193,7 +193,8 @@ bool HasImexChannel() {
   DIR* dir = opendir(kImexChannels);
   if (!dir) return false;
   bool found = false;
-  while (const dirent* e = readdir(dir)) found = found || std::strncmp(e->d_name, "channel", 7) == 0;
+  while (const dirent* e = readdir(dir))
+    found = found || std::strncmp(e->d_name, "channel", 7) == 0;
   closedir(dir);
   return found;
 }
