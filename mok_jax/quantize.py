@@ -130,6 +130,10 @@ def _e4m3_of_quotient(a, s, q):
   power_of_two = (jax.lax.bitcast_convert_type(m, jnp.uint32) & 0x7FFFFF) == 0  # m = 2^-10
   ulp_below = jnp.where(power_of_two, 0.5 * ulp, ulp)
   near = (size - m <= _F32_MAX_ULPS * ulp) & (m - size <= _F32_MAX_ULPS * ulp_below)
+  # a and s scaled by the same power of two, s to [1, 2): no product below underflows, on a
+  # backend that flushes subnormals too.
+  unit = _pow2(-_exponent(s))
+  a, s = a * unit, s * unit
   s_hi, s_lo = _halves(s)
   d = (jnp.abs(a) - s_hi * m) - s_lo * m
   odd = jnp.fmod(n, 2) == 1

@@ -70,7 +70,8 @@ def test_quantizer_takes_quotients_for_estimates(k):
   mids = (e4m3[:-1] + e4m3[1:]) / 2
   up, down = np.nextafter(mids, np.float32(np.inf)) - mids, mids - np.nextafter(mids, 0)
   targets = np.concatenate([mids, mids + up / 2.0, mids - down / 2.0]).astype(np.float64)
-  scales = np.concatenate([rng.uniform(1e-3, 10, 40), 1.5 * np.exp2(rng.integers(-8, 8, 8))])
+  scales = np.concatenate([rng.uniform(1e-3, 10, 40), 1.5 * np.exp2(rng.integers(-8, 8, 8)),
+                           rng.uniform(1, 2, 8) * np.exp2(rng.integers(-120, 100, 8))])
   s = np.repeat(scales.astype(np.float32), targets.size)
   at = (np.tile(targets, scales.size) * s).astype(np.float32)  # s m exactly where s is short
   a = np.concatenate([ulps_away(at, j) for j in range(-2, 3)] +
