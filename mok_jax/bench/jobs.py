@@ -9,6 +9,7 @@ poisoned CUDA context to its own modes, and PyTorch off JAX's preallocated pool.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import json
 import sys
@@ -122,6 +123,9 @@ def _moe(job: dict):
   params, sets = inputs.jax_inputs(dataclasses.replace(shape, T=shape.T * ep), JNP[dtype],
                                    job["seed"], job["skew"], job["sets"])  # T per device
   common["load"] = inputs.load_stats(sets[0][1], shape.E)
+  if job["impl"].startswith("mok_jax:") and job["precision"] != "bf16":
+    yield stage(modes[0], "quantizing the expert weights")
+    params, common["quantize_ms"] = _quantized(params, job["precision"])
   if ep > 1:
     ragged = device["platform"] not in expert_parallel.DENSE_PLATFORMS
     common["ep_bytes"] = ep_bytes(shape, ep, jnp.dtype(JNP[dtype]).itemsize, sets[0][1], ragged)
@@ -135,14 +139,27 @@ def _moe(job: dict):
     yield record(raw, device)
 
 
+def _quantized(params, recipe: str):
+  """The expert weights quantized once, as a training step does for its micro-batches
+  (mok_jax.quantize_experts), and the ms of one such quantization after a first."""
+  quantize = jax.jit(functools.partial(mok_jax.quantize_experts, recipe=recipe))
+  jax.block_until_ready(quantize(*params))
+  t0 = time.perf_counter()
+  quantized = jax.block_until_ready(quantize(*params))
+  return quantized, 1e3 * (time.perf_counter() - t0)
+
+
 def _compiled(layer, mode: str, params, sets):
-  """(call(i): the mode's compiled step on input set i, the compile's seconds)."""
+  """(call(i): the mode's compiled step on input set i, the compile's seconds). Quantized
+  weights are differentiated w.r.t. their masters, as quantize_experts' user does."""
 
   def step(x, experts, weights, dy, *w):
-    f = lambda x, weights, *w: layer(x, experts, weights, *w)
+    swap = lambda q, m: dataclasses.replace(q, master=m) if hasattr(q, "master") else m
+    f = lambda x, weights, *m: layer(x, experts, weights, *map(swap, w, m))
+    masters = [getattr(q, "master", q) for q in w]
     if mode == "fwd":
-      return f(x, weights, *w)
-    y, pull = jax.vjp(f, x, weights, *w)
+      return f(x, weights, *masters)
+    y, pull = jax.vjp(f, x, weights, *masters)
     return y, pull(dy)
 
   t0 = time.perf_counter()

@@ -99,8 +99,9 @@ def _header(records: list[dict]) -> list[str]:
   sample_ms = next((round(1e3 * r["timing_b2b"]["sample_s"]) for r in records
                     if (r.get("timing_b2b") or {}).get("sample_s")), "-")
   if any(r.get("precision") == "fp8" for r in records):
-    lines.append("@fp8: e4m3 products, mok_jax's in blocks (Config(precision='fp8')), torch's "
-                 "and tokamax's a scale a row and weight column; FLOPs and peak as bf16's")
+    lines.append("@fp8: e4m3 products; mok_jax's in blocks on weights quantized once (its "
+                 "quantize_experts' ms on the shape's line), the peers' a scale a row and weight "
+                 "column, the weights' quantized in the call; FLOPs and peak as bf16's")
   return lines + [
       "TF/s = FLOPs (2*T*k*3*H*I a forward, x3 fwd+bwd) / the median ms of samples of one call "
       f"and a sync; b2b: of back-to-back calls, samples of about {sample_ms} ms, one sync each",
@@ -151,10 +152,12 @@ def table(records: list[dict]) -> str:
         lines += ["", f"== {mode} ==", row(name for name, _ in COLUMNS)]
       if case_key(r) != last:
         last = case_key(r)
-        load = next((x["load"] for x in records if x.get("load") and case_key(x) == last), None)
+        load, quant = (next((x[key] for x in records if x.get(key) and case_key(x) == last),
+                            None) for key in ("load", "quantize_ms"))
         lines.append(f"{r['shape']}  T={r['T']} H={r['H']} I={r['I']} E={r['E']} k={r['k']}"
                      + (f"  (routes per expert: max/mean {load['max_over_mean']:.2f}, "
-                        f"{load['empty_experts']} empty)" if load else ""))
+                        f"{load['empty_experts']} empty)" if load else "")
+                     + (f"  (quantize_experts {_ms(quant)} ms)" if quant else ""))
       lines.append(row((f"  {r['label']}", *_cells(r, f"{r['label']} on {r['shape']} {mode}",
                                                     note))))
   return "\n".join(lines + [""] * bool(notes) + [f"[{i + 1}] {t}" for i, t in enumerate(notes)])
