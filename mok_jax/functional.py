@@ -382,17 +382,9 @@ def _moe_fp8(x, experts, weights, w_gate, w_up, w_down, shared, *, config):
   return _moe_fp8_vjp(config, *reference.vary(args, axes))
 
 
-def _fp8_blocks(w):
-  """The 128 x 128 e4m3 blocks of an expert weight: quantize_experts', or for an array its
-  quantization in this call (the bits of quantize_experts, which the reference reads)."""
-  if isinstance(w, quantize.QuantizedWeight):
-    return w.blocks
-  return quantize.quantize(w, quantize.weight_block("fp8", -2), "fp8")
-
-
 def _fp8_forward(config, x, experts, weights, w_gate, w_up, w_down, shared):
-  shared_blocks = None if shared is None else tuple(map(_fp8_blocks, shared))
-  y, _ = ops.moe_fwd_fp8(x, experts, weights, *map(_fp8_blocks, (w_gate, w_up, w_down)),
+  shared_blocks = None if shared is None else tuple(map(ops.fp8_weight, shared))
+  y, _ = ops.moe_fwd_fp8(x, experts, weights, *map(ops.fp8_weight, (w_gate, w_up, w_down)),
                          shared_blocks, out_dtype=x.dtype, block_m=config.block_m)
   return reference.vary(y, reference.varying_axes(x))
 

@@ -523,15 +523,36 @@ def fwd_fp8_results(dims: MoeDims, out_dtype, block_m) -> tuple:
   ))
 
 
+class Fp8Weight(NamedTuple):
+  """A weight (..., K, N) as mok_moe_fwd_fp8 reads it: its 128 x 128 quantization's e4m3 data
+  K-major (e4m3 wgmma reads both operands K-major) and its block scales as quantize.Blocks has
+  them."""
+
+  k_major: jax.Array  # (..., N, K) e4m3
+  scale: jax.Array  # (..., K / 128, N / 128) f32
+
+
+def fp8_weight(w) -> Fp8Weight:
+  """A weight as mok_moe_fwd_fp8 reads it: from quantize_experts' QuantizedWeight (its K-major
+  copy, none made here), or from a weight's 128 x 128 quantize.Blocks or an array (quantized
+  here: the bits of quantize_experts), made K-major here (a copy of the e4m3 bytes)."""
+  if isinstance(w, quantize.QuantizedWeight):
+    return Fp8Weight(w.k_major, w.blocks.scale)
+  if not isinstance(w, quantize.Blocks):
+    w = quantize.quantize(w, (FP8_BLOCK, FP8_BLOCK), "fp8")
+  return Fp8Weight(jnp.swapaxes(w.data, -1, -2), w.scale)
+
+
 def _check_blocks(name, q, shape):
-  """q is the 128 x 128 quantization (quantize.Blocks) of a weight of `shape`."""
+  """q is the 128 x 128 quantization (Fp8Weight) of a weight of `shape`."""
   want = quantize.scale_shape(shape, (FP8_BLOCK, FP8_BLOCK))
-  if (not isinstance(q, quantize.Blocks) or _shape(q.data) != shape or
-      jnp.dtype(q.data.dtype) != quantize.E4M3 or _shape(q.scale) != want or
+  data_shape = (*shape[:-2], shape[-1], shape[-2])
+  if (not isinstance(q, Fp8Weight) or _shape(q.k_major) != data_shape or
+      jnp.dtype(q.k_major.dtype) != quantize.E4M3 or _shape(q.scale) != want or
       jnp.dtype(q.scale.dtype) != jnp.float32):
-    got = (f"{q.data.dtype} {_shape(q.data)} and {q.scale.dtype} {_shape(q.scale)}"
-           if isinstance(q, quantize.Blocks) else type(q).__name__)
-    raise ValueError(f"moe_fwd_fp8: {name} must be quantize.Blocks of e4m3 {shape} and f32 "
+    got = (f"{q.k_major.dtype} {_shape(q.k_major)} and {q.scale.dtype} {_shape(q.scale)}"
+           if isinstance(q, Fp8Weight) else type(q).__name__)
+    raise ValueError(f"moe_fwd_fp8: {name} must be an Fp8Weight of e4m3 {data_shape} and f32 "
                      f"{want}, got {got}")
 
 
@@ -541,13 +562,11 @@ def moe_fwd_fp8(x, experts, weights, w_gate, w_up, w_down, shared=None, *, out_d
 
   Inputs:
     x (T, H) bf16; experts (T, k) int32 local ids; weights (T, k) f32; w_gate, w_up, w_down
-    the 128 x 128 quantize.Blocks of the (E, H, I), (E, H, I), (E, I, H) expert weights
-    (quantize_experts' `blocks`); shared None or the Blocks of (ws_gate (H, Is), ws_up (H, Is),
-    ws_down (Is, H)). H, I and Is multiples of 128.
+    the `Fp8Weight`s (`fp8_weight`) of the (E, H, I), (E, H, I), (E, I, H) expert weights;
+    shared None or the Fp8Weights of (ws_gate (H, Is), ws_up (H, Is), ws_down (Is, H)). H, I
+    and Is multiples of 128.
   Outputs:
     y (T, H) out_dtype (bf16, or f32 for a partial sum), and `Fp8Buffers`.
-  The e4m3 blocks go to the target transposed (K-major, as e4m3 wgmma reads its operands): a
-  copy of each weight's e4m3 bytes every call, beside their scales as they are.
   """
   if np.ndim(x) != 2 or jnp.dtype(x.dtype) != CUDA_DTYPE:
     raise ValueError(f"moe_fwd_fp8: x must be (T, H) {CUDA_DTYPE}, got {x.dtype} {_shape(x)}")
@@ -559,19 +578,19 @@ def moe_fwd_fp8(x, experts, weights, w_gate, w_up, w_down, shared=None, *, out_d
   if _shape(weights) != (T, k) or weights.dtype != jnp.float32:
     raise ValueError(f"moe_fwd_fp8: weights must be ({T}, {k}) float32, got {weights.dtype} "
                      f"{_shape(weights)}")
-  if not isinstance(w_gate, quantize.Blocks) or np.ndim(w_gate.data) != 3:
-    raise ValueError("moe_fwd_fp8: w_gate must be quantize.Blocks of an (E, H, I) weight")
-  E, _, I = _shape(w_gate.data)
+  if not isinstance(w_gate, Fp8Weight) or np.ndim(w_gate.k_major) != 3:
+    raise ValueError("moe_fwd_fp8: w_gate must be the Fp8Weight of an (E, H, I) weight")
+  E, I, _ = _shape(w_gate.k_major)
   _check_blocks("w_gate", w_gate, (E, H, I))
   _check_blocks("w_up", w_up, (E, H, I))
   _check_blocks("w_down", w_down, (E, I, H))
   Is = 0
   if shared is not None:
     ws_gate, ws_up, ws_down = shared
-    if not isinstance(ws_gate, quantize.Blocks) or np.ndim(ws_gate.data) != 2:
-      raise ValueError("moe_fwd_fp8: shared must be the quantize.Blocks of (ws_gate (H, Is), "
+    if not isinstance(ws_gate, Fp8Weight) or np.ndim(ws_gate.k_major) != 2:
+      raise ValueError("moe_fwd_fp8: shared must be the Fp8Weights of (ws_gate (H, Is), "
                        "ws_up (H, Is), ws_down (Is, H))")
-    Is = _shape(ws_gate.data)[1]
+    Is = _shape(ws_gate.k_major)[0]
     _check_blocks("ws_gate", ws_gate, (H, Is))
     _check_blocks("ws_up", ws_up, (H, Is))
     _check_blocks("ws_down", ws_down, (Is, H))
@@ -582,13 +601,11 @@ def moe_fwd_fp8(x, experts, weights, w_gate, w_up, w_down, shared=None, *, out_d
   if out_dtype not in (CUDA_DTYPE, jnp.dtype(jnp.float32)):
     raise ValueError(f"moe_fwd_fp8: out_dtype must be bfloat16 or float32, got {out_dtype}")
   if shared is None:
-    empty = quantize.Blocks(jnp.zeros((H, 0), quantize.E4M3),
-                            jnp.zeros((H // FP8_BLOCK, 0), jnp.float32))
-    shared = (empty, empty, quantize.Blocks(jnp.zeros((0, H), quantize.E4M3),
-                                            jnp.zeros((0, H // FP8_BLOCK), jnp.float32)))
-  operands = []
-  for q in (w_gate, w_up, w_down, *shared):
-    operands += [jnp.swapaxes(q.data, -1, -2), q.scale]
+    empty = Fp8Weight(jnp.zeros((0, H), quantize.E4M3),
+                      jnp.zeros((H // FP8_BLOCK, 0), jnp.float32))
+    shared = (empty, empty, Fp8Weight(jnp.zeros((H, 0), quantize.E4M3),
+                                      jnp.zeros((0, H // FP8_BLOCK), jnp.float32)))
+  operands = [a for q in (w_gate, w_up, w_down, *shared) for a in q]
   results = fwd_fp8_results(dims, out_dtype, block_m)
   call = jax.ffi.ffi_call("mok_moe_fwd_fp8", results, vmap_method="sequential")
   y, *buffers = call(x, experts, weights, *operands, block_m=np.int64(block_m),

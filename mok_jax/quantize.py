@@ -188,8 +188,8 @@ def scale_shape(shape, block) -> tuple[int, ...]:
   return (*shape[:-2], math.ceil(shape[-2] / block[0]), math.ceil(shape[-1] / block[1]))
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("blocks", "blocks_t", "master"),
-                   meta_fields=("recipe",))
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=("blocks", "blocks_t", "k_major", "master"), meta_fields=("recipe",))
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
   """An expert weight (E, K, N) quantized once for `mok_jax.moe` (`quantize_experts`), in place
@@ -197,7 +197,10 @@ class QuantizedWeight:
 
   The layer's products read only the blocks: `blocks` those of the forward product, which
   reduces over K; `blocks_t` those of the data gradient, which reduces over N, or None where
-  the same blocks serve W^T ("fp8": 128 x 128). The weight gradient, a GEMM of x's dtype on
+  the same blocks serve W^T ("fp8": 128 x 128). `k_major` is `blocks.data` with its last two
+  axes swapped, (..., N, K): the layout in which e4m3 wgmma reads the forward's weight (both
+  operands K-major), made once here so that a CUDA call does not copy the weight ("fp8"; None
+  for "mxfp8", which has no Hopper kernels). The weight gradient, a GEMM of x's dtype on
   unquantized operands that never reads the weight's values, is w.r.t. `master`, the weight
   quantized: an e4m3 leaf could carry no bf16 gradient, and through `master` the gradient
   reaches the master weights straight through (d quantize_experts(w) / d w = identity) by
@@ -206,6 +209,7 @@ class QuantizedWeight:
 
   blocks: Blocks
   blocks_t: Blocks | None
+  k_major: jax.Array | None
   master: jax.Array
   recipe: str
 
@@ -238,7 +242,8 @@ def _quantize_weight(w, recipe: str) -> QuantizedWeight:
   the master."""
   fixed = jax.lax.stop_gradient(w)
   blocks = [quantize(fixed, weight_block(recipe, axis), recipe) for axis in _orientations(recipe)]
-  return QuantizedWeight(blocks[0], blocks[1] if len(blocks) > 1 else None, w, recipe)
+  k_major = jnp.swapaxes(blocks[0].data, -1, -2) if recipe == "fp8" else None
+  return QuantizedWeight(blocks[0], blocks[1] if len(blocks) > 1 else None, k_major, w, recipe)
 
 
 def quantize_experts(w_gate, w_up, w_down, *, recipe: str = "fp8"):
@@ -250,8 +255,9 @@ def quantize_experts(w_gate, w_up, w_down, *, recipe: str = "fp8"):
   `moe`). "fp8": one 128 x 128 quantization each, for the forward and the data gradients
   alike. "mxfp8": its 1 x 32 blocks lie along the reduced axis, K in the forward and N in the
   data gradient, so each weight is quantized in both orientations (twice the e4m3 bytes). One
-  pass over the weights: b 3 E H I bytes read (b a weight element's), 3 E H I (1 + 4 / 128^2)
-  written, and twice 3 E H I (1 + 1 / 32) for "mxfp8".
+  pass over the weights: b 3 E H I bytes read (b a weight element's), 3 E H I (2 + 4 / 128^2)
+  written for "fp8" (the blocks and their K-major copy), and twice 3 E H I (1 + 1 / 32) for
+  "mxfp8".
   """
   if recipe not in RECIPES:
     raise ValueError(f"quantize_experts: recipe must be one of {RECIPES}, got {recipe!r}")
@@ -289,7 +295,17 @@ def check_quantized(w: QuantizedWeight, name: str, recipe: str):
       raise ValueError(
           f"moe: {name}'s blocks must be e4m3 data of its master's shape {w.shape} and f32 "
           f"scales {want}, got {_describe(q)}; make them with mok_jax.quantize_experts")
-
+  if recipe == "fp8":
+    want = (*w.shape[:-2], w.shape[-1], w.shape[-2])
+    if (w.k_major is None or jnp.shape(w.k_major) != want
+        or jnp.result_type(w.k_major) != E4M3):
+      got = "None" if w.k_major is None else (
+          f"{jnp.result_type(w.k_major)} {jnp.shape(w.k_major)}")
+      raise ValueError(f"moe: {name}.k_major must be its blocks' e4m3 data K-major {want}, got "
+                       f"{got}; make the weights with mok_jax.quantize_experts")
+  elif w.k_major is not None:
+    raise ValueError(f"moe: {name}.k_major must be None for recipe {recipe!r}; make the "
+                     "weights with mok_jax.quantize_experts")
 
 def _describe(q):
   if not isinstance(q, Blocks):

@@ -137,7 +137,8 @@ def run_target(case, block_m, out_dtype=jnp.bfloat16):
   if case.shared is not None:
     shared = tuple(quantize.quantize(w, (BLOCK, BLOCK), "fp8") for w in case.shared)
   f = jax.jit(lambda x, e, w, qs, shared: ops.moe_fwd_fp8(
-      x, e, w, *(q.blocks for q in qs), shared, out_dtype=out_dtype, block_m=block_m))
+      x, e, w, *map(ops.fp8_weight, qs), shared and tuple(map(ops.fp8_weight, shared)),
+      out_dtype=out_dtype, block_m=block_m))
   y, buffers = f(case.x, local_ids(case.experts, E), case.weights, qs, shared)
   return np.asarray(y), ops.Fp8Buffers(*map(np.asarray, buffers)), qs, shared
 

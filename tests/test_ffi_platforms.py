@@ -50,8 +50,8 @@ def bwd(args, residuals, block_m):
 
 def fwd_fp8(args, block_m):
   def f(x, experts, weights, ws, shared):
-    q = lambda w: quantize.quantize(w, FP8_BLOCK, "fp8")  # noqa: E731
-    return ops.moe_fwd_fp8(x, experts, weights, *map(q, ws), tuple(map(q, shared)),
+    return ops.moe_fwd_fp8(x, experts, weights, *map(ops.fp8_weight, ws),
+                           tuple(map(ops.fp8_weight, shared)),
                            out_dtype=bf16, block_m=block_m)
 
   x, experts, weights, *ws, shared = args

@@ -206,8 +206,8 @@ def test_fp8_target_has_no_expert_parallel_path():
 
 def test_moe_fwd_fp8_checks_its_operands():
   case = make_case(T=8, H=128, I=128, E=2, k=1, Is=128, dtype=BF16)
-  qs = [q.blocks for q in mok_jax.quantize_experts(case.w_gate, case.w_up, case.w_down)]
-  shared = tuple(quantize.quantize(w, (128, 128), "fp8") for w in case.shared)
+  qs = [ops.fp8_weight(q) for q in mok_jax.quantize_experts(case.w_gate, case.w_up, case.w_down)]
+  shared = tuple(map(ops.fp8_weight, case.shared))
   e = jnp.asarray(case.experts, jnp.int32)
 
   def call(x=case.x, experts=e, weights=case.weights, ws=qs, shared=shared, out_dtype=BF16):
@@ -222,12 +222,15 @@ def test_moe_fwd_fp8_checks_its_operands():
       (dict(x=case.x.astype(F32)), r"x must be \(T, H\) bfloat16"),
       (dict(experts=e.astype(jnp.int16)), r"experts must be \(8, k\) int32"),
       (dict(weights=case.weights[:, :0]), r"weights must be \(8, 1\) float32"),
-      (dict(ws=[qs[0], qs[1], quantize.Blocks(qs[2].data, qs[2].scale[:, :, :0])]),
-       r"w_down must be quantize.Blocks of e4m3 \(2, 128, 128\) and f32 \(2, 1, 1\)"),
-      (dict(ws=[qs[0], case.w_up, qs[2]]), r"w_up must be quantize.Blocks .*got ArrayImpl"),
-      (dict(shared=(shared[0], shared[1], quantize.Blocks(shared[2].data.astype(BF16),
-                                                          shared[2].scale))),
-       r"ws_down must be quantize.Blocks of e4m3"),
+      (dict(ws=[qs[0], qs[1], ops.Fp8Weight(qs[2].k_major, qs[2].scale[:, :, :0])]),
+       r"w_down must be an Fp8Weight of e4m3 \(2, 128, 128\) and f32 \(2, 1, 1\)"),
+      (dict(ws=[qs[0], case.w_up, qs[2]]), r"w_up must be an Fp8Weight .*got ArrayImpl"),
+      (dict(ws=[qs[0], qs[1], ops.Fp8Weight(jnp.swapaxes(qs[2].k_major, 1, 2)[:, :, :64],
+                                            qs[2].scale)]),
+       r"w_down must be an Fp8Weight of e4m3 \(2, 128, 128\) .*got float8_e4m3fn \(2, 128, 64\)"),
+      (dict(shared=(shared[0], shared[1], ops.Fp8Weight(shared[2].k_major.astype(BF16),
+                                                        shared[2].scale))),
+       r"ws_down must be an Fp8Weight of e4m3"),
       (dict(out_dtype=jnp.float16), r"out_dtype must be bfloat16 or float32"),
   ]
   for kw, message in bad:
@@ -314,12 +317,13 @@ def test_quantize_experts_has_the_quantizer_bits(recipe):
     np.testing.assert_array_equal(np.asarray(q.blocks.scale[1]), scale)
     if recipe == "fp8":
       assert q.blocks_t is None  # the 128 x 128 blocks serve W^T
+      np.testing.assert_array_equal(u8(q.k_major), u8(jnp.swapaxes(q.blocks.data, 1, 2)))
       assert q.blocks.scale.shape == (3, -(-w.shape[1] // 128), -(-w.shape[2] // 128))
     else:  # the data gradient's blocks run along N
       want_t = quantize.quantize(w, (1, 32), recipe)
       np.testing.assert_array_equal(u8(q.blocks_t.data), u8(want_t.data))
       np.testing.assert_array_equal(np.asarray(q.blocks_t.scale), np.asarray(want_t.scale))
-      assert not np.array_equal(u8(q.blocks_t.data), u8(q.blocks.data))
+      assert not np.array_equal(u8(q.blocks_t.data), u8(q.blocks.data)) and q.k_major is None
     for axis in (-2, -1):  # what each product reads: the per-call quantization's values
       np.testing.assert_array_equal(
           np.asarray(q.values(axis)),
@@ -475,6 +479,15 @@ def _bad_moe_calls():
       ("fp8_with_transpose", lambda c, q, m: moe(c, tuple(
           dataclasses.replace(w, blocks_t=w.blocks) for w in q)), ValueError,
        r"w_gate.blocks_t must be None for recipe 'fp8'"),
+      ("fp8_without_k_major", lambda c, q, m: moe(c, tuple(
+          dataclasses.replace(w, k_major=None) for w in q)), ValueError,
+       r"w_gate.k_major must be its blocks' e4m3 data K-major \(2, 128, 128\), got None"),
+      ("k_major_dtype", lambda c, q, m: moe(c, (q[0], dataclasses.replace(
+          q[1], k_major=q[1].k_major.astype(BF16)), q[2])), ValueError,
+       r"w_up.k_major must be its blocks' e4m3 data K-major \(2, 128, 128\), got bfloat16"),
+      ("mxfp8_with_k_major", lambda c, q, m: moe(c, tuple(
+          dataclasses.replace(w, k_major=v.k_major) for w, v in zip(m, q)), mx), ValueError,
+       r"w_gate.k_major must be None for recipe 'mxfp8'"),
       ("quantized_shared", lambda c, q, m: moe(c, q, shared=(q[0], c.w_up, c.w_down)),
        ValueError, r"the shared expert takes arrays"),
       ("master_dtype", lambda c, q, m: moe(c, mok_jax.quantize_experts(
