@@ -307,6 +307,7 @@ def check_quantized(w: QuantizedWeight, name: str, recipe: str):
     raise ValueError(f"moe: {name}.k_major must be None for recipe {recipe!r}; make the "
                      "weights with mok_jax.quantize_experts")
 
+
 def _describe(q):
   if not isinstance(q, Blocks):
     return type(q).__name__
