@@ -150,4 +150,17 @@ struct CombineArgs {
 };
 const char* LaunchCombine(const CombineArgs& args, cudaStream_t stream);
 
+// mok_quantize_weight: `batch` matrices (K, N) of bf16 (or f32, w_f32) in 128 x 128 blocks of
+// e4m3 (sm90/quantize.cuh): data (batch, K, N), the same values transposed in k_major (batch,
+// N, K), and each block's scale in scale (batch, ceil(K / 128), ceil(N / 128)).
+struct QuantizeWeightArgs {
+  int64_t batch, K, N;
+  const void* w;
+  bool w_f32;
+  void* data;
+  void* k_major;
+  float* scale;
+};
+const char* LaunchQuantizeWeight(const QuantizeWeightArgs& args, cudaStream_t stream);
+
 }  // namespace mok::cuda

@@ -344,4 +344,35 @@ ffi::ErrorOr<CombineDims> CheckCombineArgs(const char* target, ffi::AnyBuffer ro
   return d;
 }
 
+ffi::ErrorOr<QuantizeDims> CheckQuantizeArgs(const char* target, ffi::AnyBuffer w,
+                                             ffi::AnyBuffer data, ffi::AnyBuffer k_major,
+                                             ffi::AnyBuffer scale) {
+  auto dims = w.dimensions();
+  const ffi::DataType dtype = w.element_type();
+  if ((dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F32) || dims.size() < 2)
+    return ffi::Unexpected(
+        Invalid(target, "w must be bf16 or f32 (..., K, N), got " + Describe(dtype, dims)));
+  const size_t rank = dims.size();
+  QuantizeDims d{1, dims[rank - 2], dims[rank - 1], 0, 0};
+  for (size_t i = 0; i + 2 < rank; ++i) d.batch *= dims[i];
+  d.k_blocks = (d.K + 127) / 128, d.n_blocks = (d.N + 127) / 128;
+  // Each result is w's leading dimensions and then its own two.
+  auto check = [&](const char* name, ffi::AnyBuffer b, ffi::DataType want, int64_t m, int64_t n) {
+    std::vector<int64_t> shape(dims.begin(), dims.end());
+    shape[rank - 2] = m, shape[rank - 1] = n;
+    auto got = b.dimensions();
+    if (b.element_type() == want && got.size() == rank &&
+        std::equal(shape.begin(), shape.end(), got.begin()))
+      return ffi::Error::Success();
+    return Invalid(target, std::string(name) + " must be " + Describe(want, shape) + ", got " +
+                               Describe(b.element_type(), got));
+  };
+  const ffi::DataType f8 = ffi::DataType::F8E4M3FN;
+  for (auto err : {check("data", data, f8, d.K, d.N), check("k_major", k_major, f8, d.N, d.K),
+                   check("scale", scale, ffi::DataType::F32, d.k_blocks, d.n_blocks)}) {
+    if (err.failure()) return ffi::Unexpected(err);
+  }
+  return d;
+}
+
 }  // namespace mok

@@ -305,4 +305,24 @@ auto BindMoeFwdFp8(Binding binding) {
       .template Attr<int64_t>("ranks");
 }
 
+// mok_quantize_weight: an expert weight (..., K, N) in 128 x 128 blocks by the "fp8" recipe
+// (mok_jax/quantize.py, quantize_experts), the leading dimensions a batch of matrices (experts,
+// and layers under vmap). Blocks at the edges hold what the shape leaves of them.
+struct QuantizeDims {
+  int64_t batch, K, N;  // batch: the product of the leading dimensions
+  int64_t k_blocks, n_blocks;
+};
+
+ffi::ErrorOr<QuantizeDims> CheckQuantizeArgs(const char* target, ffi::AnyBuffer w,
+                                             ffi::AnyBuffer data, ffi::AnyBuffer k_major,
+                                             ffi::AnyBuffer scale);
+
+template <class Binding>
+auto BindQuantizeWeight(Binding binding) {
+  return std::move(binding).template Arg<ffi::AnyBuffer>()  // w (..., K, N) bf16|f32
+      .template Ret<ffi::AnyBuffer>()            // data (..., K, N) f8e4m3fn
+      .template Ret<ffi::AnyBuffer>()            // k_major (..., N, K) f8e4m3fn: data transposed
+      .template Ret<ffi::AnyBuffer>();           // scale (..., K / 128, N / 128) f32, rounded up
+}
+
 }  // namespace mok

@@ -8,6 +8,7 @@ and "CUDA", the kernels):
   mok_moe_combine  the forward's combine on its own: the home rank's sum of its tokens' routes
                    under expert parallelism (mok_jax.expert_parallel)
   mok_moe_fwd_fp8  the forward with block-scaled e4m3 products (Config(precision="fp8"))
+  mok_quantize_weight  an expert weight in 128 x 128 blocks of e4m3 (quantize_experts)
 
 The routed buffers are expert-sorted: expert e's routes occupy rows [offsets[e], offsets[e] +
 count_e) in ascending (t, j) order, and offsets[e] is a multiple of block_m. Their row count is
@@ -538,9 +539,39 @@ def fp8_weight(w) -> Fp8Weight:
   here: the bits of quantize_experts), made K-major here (a copy of the e4m3 bytes)."""
   if isinstance(w, quantize.QuantizedWeight):
     return Fp8Weight(w.k_major, w.blocks.scale)
-  if not isinstance(w, quantize.Blocks):
-    w = quantize.quantize(w, (FP8_BLOCK, FP8_BLOCK), "fp8")
-  return Fp8Weight(jnp.swapaxes(w.data, -1, -2), w.scale)
+  if isinstance(w, quantize.Blocks):
+    return Fp8Weight(jnp.swapaxes(w.data, -1, -2), w.scale)
+  blocks, k_major = quantize_weight(w)
+  return Fp8Weight(k_major, blocks.scale)
+
+
+def quantize_weight(w) -> tuple[quantize.Blocks, jax.Array]:
+  """Target mok_quantize_weight: w (..., K, N) bf16 or f32 in 128 x 128 blocks by the "fp8"
+  recipe, the bits of quantize.quantize, as its Blocks and their e4m3 data K-major (..., N, K),
+  in one pass over w. The leading dimensions are a batch (experts, layers under vmap). On a
+  platform without the target (a GPU build without the CUDA module) quantize.quantize and a
+  transpose give the same arrays."""
+  shape = _shape(w)
+  if len(shape) < 2 or jnp.dtype(w.dtype) not in DTYPES:
+    raise ValueError(f"quantize_weight: w must be (..., K, N) of {', '.join(map(str, DTYPES))}, "
+                     f"got {w.dtype} {shape}")
+  block = (FP8_BLOCK, FP8_BLOCK)
+  results = (jax.ShapeDtypeStruct(shape, quantize.E4M3),
+             jax.ShapeDtypeStruct((*shape[:-2], shape[-1], shape[-2]), quantize.E4M3),
+             jax.ShapeDtypeStruct(quantize.scale_shape(shape, block), jnp.float32))
+
+  def target(w):
+    return jax.ffi.ffi_call("mok_quantize_weight", results, vmap_method="broadcast_all")(w)
+
+  def reference(w):
+    q = quantize.quantize(w, block, "fp8")
+    return q.data, jnp.swapaxes(q.data, -1, -2), q.scale
+
+  per_platform = {"cpu": target}
+  if has_cuda_target("mok_quantize_weight"):
+    per_platform["cuda"] = target
+  data, k_major, scale = jax.lax.platform_dependent(w, default=reference, **per_platform)
+  return quantize.Blocks(data, scale), k_major
 
 
 def _check_blocks(name, q, shape):

@@ -241,9 +241,14 @@ def _quantize_weight(w, recipe: str) -> QuantizedWeight:
   """w (..., K, N) as `QuantizedWeight`: its blocks computed from stop_gradient(w), w itself
   the master."""
   fixed = jax.lax.stop_gradient(w)
+  if recipe == "fp8":
+    # The blocks and their K-major copy in one pass, by the FFI target (this module's bits);
+    # imported here because mok_jax.ops builds on this module's types.
+    from mok_jax import ops
+    blocks, k_major = ops.quantize_weight(fixed)
+    return QuantizedWeight(blocks, None, k_major, w, recipe)
   blocks = [quantize(fixed, weight_block(recipe, axis), recipe) for axis in _orientations(recipe)]
-  k_major = jnp.swapaxes(blocks[0].data, -1, -2) if recipe == "fp8" else None
-  return QuantizedWeight(blocks[0], blocks[1] if len(blocks) > 1 else None, k_major, w, recipe)
+  return QuantizedWeight(blocks[0], blocks[1] if len(blocks) > 1 else None, None, w, recipe)
 
 
 def quantize_experts(w_gate, w_up, w_down, *, recipe: str = "fp8"):

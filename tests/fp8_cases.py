@@ -516,3 +516,44 @@ def fp8_routing(name, T, E, k, seed=1):
   elif name != "distinct":
     raise ValueError(name)
   return ids
+
+
+# --- mok_quantize_weight ---------------------------------------------------------------------
+def quantize_weight_cases():
+  """(id, w) for mok_quantize_weight: edges in K and N (blocks the shape does not fill), N not a
+  multiple of 8 and K not of 16 (the kernel's byte paths), batch dimensions of ranks 0 to 2,
+  f32 with values bf16 cannot hold, and blocks of zeros, with a NaN and with a value past 448
+  times the rest."""
+  rng = np.random.default_rng(11)
+
+  def normal(shape):
+    return rng.standard_normal(shape).astype(np.float32) * np.exp2(
+        rng.integers(-8, 8, shape[:-1] + (1,))).astype(np.float32)
+
+  special = normal((2, 256, 384))
+  special[0, :128, :128] = 0.0
+  special[0, 130, 200] = np.nan
+  special[1, 5, 300] = 1e30
+  special[1, 200, 10] = -3e-38
+  special[1, 129:, :128] *= np.float32(1e-30)
+  return [("edges_bf16", jnp.asarray(normal((3, 200, 130)), jnp.bfloat16)),
+          ("matrix_bf16", jnp.asarray(normal((136, 264)), jnp.bfloat16)),
+          ("layers_bf16", jnp.asarray(normal((2, 3, 384, 256)), jnp.bfloat16)),
+          ("specials_f32", jnp.asarray(special)),
+          ("edges_f32", jnp.asarray(normal((2, 140, 390))))]
+
+
+def check_quantize_weight(w):
+  """ops.quantize_weight(w) on jax's default device: NumPy's bits for every matrix of the
+  batch, k_major their transpose."""
+  blocks, k_major = jax.jit(ops.quantize_weight)(w)
+  a = np.asarray(w.astype(jnp.float32)).reshape(-1, *w.shape[-2:])
+  data, scale, km = (np.asarray(v).reshape(-1, *v.shape[-2:])
+                     for v in (blocks.data, blocks.scale, k_major))
+  assert blocks.data.dtype == k_major.dtype == quantize.E4M3
+  assert blocks.scale.shape == quantize.scale_shape(w.shape, (BLOCK, BLOCK))
+  for b in range(a.shape[0]):
+    want_data, want_scale = numpy_quantize(a[b], (BLOCK, BLOCK))
+    np.testing.assert_array_equal(scale[b].view(np.uint32), want_scale.view(np.uint32))
+    np.testing.assert_array_equal(data[b].view(np.uint8), want_data.view(np.uint8))
+    np.testing.assert_array_equal(km[b].view(np.uint8), want_data.T.view(np.uint8))

@@ -330,6 +330,33 @@ def test_quantize_experts_has_the_quantizer_bits(recipe):
           np.asarray(quantize.fake_quantize(w, quantize.weight_block(recipe, axis), recipe)))
 
 
+@pytest.mark.parametrize("name, w", fp8_cases.quantize_weight_cases())
+def test_quantize_weight_target_has_the_numpy_bits(name, w):
+  """mok_quantize_weight (the C++ CPU target here), which quantize_experts' "fp8" calls."""
+  fp8_cases.check_quantize_weight(w)
+
+
+def test_quantize_weight_target_refuses_bad_buffers():
+  w = jnp.ones((2, 256, 128), jnp.bfloat16)
+  good = (jax.ShapeDtypeStruct((2, 256, 128), jnp.float8_e4m3fn),
+          jax.ShapeDtypeStruct((2, 128, 256), jnp.float8_e4m3fn),
+          jax.ShapeDtypeStruct((2, 2, 1), jnp.float32))
+  for i, bad, message in [(1, jax.ShapeDtypeStruct((2, 256, 128), jnp.float8_e4m3fn),
+                           r"k_major must be f8e4m3fn\[2, 128, 256\]"),
+                          (2, jax.ShapeDtypeStruct((2, 1, 2), jnp.float32),
+                           r"scale must be f32\[2, 2, 1\]"),
+                          (0, jax.ShapeDtypeStruct((2, 256, 128), jnp.bfloat16),
+                           r"data must be f8e4m3fn")]:
+    results = list(good)
+    results[i] = bad
+    with pytest.raises(Exception, match=message):
+      jax.ffi.ffi_call("mok_quantize_weight", tuple(results))(w)
+  with pytest.raises(Exception, match=r"w must be bf16 or f32 \(\.\.\., K, N\)"):
+    jax.ffi.ffi_call("mok_quantize_weight", good)(w.astype(jnp.float16))
+  with pytest.raises(ValueError, match="quantize_weight: w must be"):
+    ops.quantize_weight(jnp.ones((128,), jnp.bfloat16))
+
+
 def layer_loss(case, config, quantized, recipe=None, backend="xla"):
   """jit(value_and_grad) of sum(dy * y) w.r.t. (x, weights, w_gate, w_up, w_down, shared), the
   expert weights passed as they are or through quantize_experts inside the loss."""

@@ -166,3 +166,9 @@ def test_same_bits_with_command_buffers():
   for block_m, runs in plain.items():
     assert runs == [runs[0]] * REPLAYS, (block_m, runs)
   assert graphs == plain
+
+
+@pytest.mark.parametrize("name, w", fp8_cases.quantize_weight_cases())
+def test_quantize_weight_kernel_has_the_numpy_bits(name, w):
+  """mok_quantize_weight's kernel, which quantize_experts' "fp8" runs on a GPU."""
+  fp8_cases.check_quantize_weight(w)
