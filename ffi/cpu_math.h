@@ -95,17 +95,22 @@ inline float FromE4m3(uint8_t b) {
   return s * std::ldexp(static_cast<float>(8 + m), e - 10);
 }
 
-// v[0, n) in 1 x 128 blocks (mok_jax/quantize.py): block b's scale amax / 448 (1 for zeros; a
-// NaN amax, as jnp.max gives one, also 1) at scale[b * pitch], its values v / scale in e4m3.
+// A block's amax after value a: NaN once any value is, as jnp.max.
+inline float AmaxWith(float amax, float a) {
+  a = std::fabs(a);
+  return std::isnan(a) || std::isnan(amax) ? std::nanf("") : std::max(amax, a);
+}
+
+// The scale of a block (mok_jax/quantize.py): amax / 448, 1 for zeros and for a NaN amax.
+inline float BlockScale(float amax) { return amax > 0.0f ? amax / 448.0f : 1.0f; }
+
+// v[0, n) in 1 x 128 blocks: block b's scale at scale[b * pitch], its values v / scale in e4m3.
 inline void QuantizeRow(int64_t n, const float* v, uint8_t* q, float* scale, int64_t pitch) {
   for (int64_t b = 0; b * 128 < n; ++b) {
     const int64_t end = std::min(n, (b + 1) * 128);
     float amax = 0.0f;
-    for (int64_t i = b * 128; i < end; ++i) {
-      const float a = std::fabs(v[i]);
-      amax = std::isnan(a) || std::isnan(amax) ? std::nanf("") : std::max(amax, a);
-    }
-    const float s = amax > 0.0f ? amax / 448.0f : 1.0f;
+    for (int64_t i = b * 128; i < end; ++i) amax = AmaxWith(amax, v[i]);
+    const float s = BlockScale(amax);
     scale[b * pitch] = s;
     for (int64_t i = b * 128; i < end; ++i) q[i] = ToE4m3(v[i] / s);
   }

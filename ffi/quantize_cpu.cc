@@ -1,7 +1,5 @@
 // mok_quantize_weight on the CPU: each 128 x 128 block's amax, scale and e4m3 values in plain
 // loops (cpu_math.h's conversion, the reference's bits), and the values again transposed.
-#include <cmath>
-
 #include "cpu_math.h"
 #include "moe_args.h"
 #include "moe_cpu.h"
@@ -18,13 +16,10 @@ void QuantizeMatrices(const QuantizeDims& d, const S* w, uint8_t* data, uint8_t*
     for (int64_t bk = 0; bk < d.k_blocks; ++bk) {
       for (int64_t bn = 0; bn < d.n_blocks; ++bn) {
         const int64_t k_end = std::min(K, (bk + 1) * 128), n_end = std::min(N, (bn + 1) * 128);
-        float amax = 0.0f;  // NaN when any value is, as jnp.max
+        float amax = 0.0f;
         for (int64_t i = bk * 128; i < k_end; ++i)
-          for (int64_t j = bn * 128; j < n_end; ++j) {
-            const float a = std::fabs(Load(m[i * N + j]));
-            amax = std::isnan(a) || std::isnan(amax) ? std::nanf("") : std::max(amax, a);
-          }
-        const float s = amax > 0.0f ? amax / 448.0f : 1.0f;
+          for (int64_t j = bn * 128; j < n_end; ++j) amax = AmaxWith(amax, Load(m[i * N + j]));
+        const float s = BlockScale(amax);
         scale[(b * d.k_blocks + bk) * d.n_blocks + bn] = s;
         for (int64_t i = bk * 128; i < k_end; ++i)
           for (int64_t j = bn * 128; j < n_end; ++j) {

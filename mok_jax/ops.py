@@ -535,8 +535,9 @@ class Fp8Weight(NamedTuple):
 
 def fp8_weight(w) -> Fp8Weight:
   """A weight as mok_moe_fwd_fp8 reads it: from quantize_experts' QuantizedWeight (its K-major
-  copy, none made here), or from a weight's 128 x 128 quantize.Blocks or an array (quantized
-  here: the bits of quantize_experts), made K-major here (a copy of the e4m3 bytes)."""
+  copy, none made here), from a weight's 128 x 128 quantize.Blocks (made K-major here: a copy
+  of the e4m3 bytes), or from an array (quantized here by `quantize_weight`, the bits of
+  quantize_experts, which writes the K-major copy in the same pass)."""
   if isinstance(w, quantize.QuantizedWeight):
     return Fp8Weight(w.k_major, w.blocks.scale)
   if isinstance(w, quantize.Blocks):

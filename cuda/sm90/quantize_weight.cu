@@ -29,7 +29,8 @@ __global__ void __launch_bounds__(256)
   __shared__ uint8_t t[kFp8Block][kFp8Block + 1];
   __shared__ float warp_amax[8];
   const int64_t blk = blockIdx.x;  // (batch, k block, n block), n block fastest: scale's order
-  const int64_t bn = blk % n_blocks, bk = blk / n_blocks % k_blocks, b = blk / (n_blocks * k_blocks);
+  const int64_t bn = blk % n_blocks, bk = blk / n_blocks % k_blocks;
+  const int64_t b = blk / (n_blocks * k_blocks);
   const int64_t k0 = bk * kFp8Block, n0 = bn * kFp8Block;
   const int rows = static_cast<int>(K - k0 < kFp8Block ? K - k0 : kFp8Block);
   const int cols = static_cast<int>(N - n0 < kFp8Block ? N - n0 : kFp8Block);
@@ -63,18 +64,18 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     const int r = r0 + 16 * j;
-    uint16_t q[4];
+    uint2 q;  // the 8 e4m3 bytes, column c first
+    q.x = sm90::E4m3Pair(v[j][0], v[j][1], s) | uint32_t{sm90::E4m3Pair(v[j][2], v[j][3], s)} << 16;
+    q.y = sm90::E4m3Pair(v[j][4], v[j][5], s) | uint32_t{sm90::E4m3Pair(v[j][6], v[j][7], s)} << 16;
+    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&q);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) q[i] = sm90::E4m3Pair(v[j][2 * i], v[j][2 * i + 1], s);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) t[c + i][r] = static_cast<uint8_t>(q[i / 2] >> (8 * (i % 2)));
+    for (int i = 0; i < 8; ++i) t[c + i][r] = bytes[i];
     if (r >= rows) continue;
     uint8_t* out = data + (b * K + k0 + r) * N + n0 + c;
     if (full) {
-      *reinterpret_cast<uint2*>(out) =
-          make_uint2(q[0] | uint32_t{q[1]} << 16, q[2] | uint32_t{q[3]} << 16);
+      *reinterpret_cast<uint2*>(out) = q;
     } else {
-      for (int i = 0; i < 8 && c + i < cols; ++i) out[i] = static_cast<uint8_t>(q[i / 2] >> (8 * (i % 2)));
+      for (int i = 0; i < 8 && c + i < cols; ++i) out[i] = bytes[i];
     }
   }
   __syncthreads();
