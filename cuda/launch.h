@@ -125,8 +125,34 @@ struct MoeFwdFp8Args {
   float* xq_shared_scale;    // (H / 128, Fp8ScalePitch(T))
   void* hq_shared;           // (T, Is) e4m3
   float* hq_shared_scale;    // (Is / 128, Fp8ScalePitch(T))
+  void* gu;                  // (R, 2I) bf16 [g | u] kept for the backward, or null
+  void* gu_shared;           // (T, 2Is) bf16, or null
   void* y_shared;            // (T, H) bf16 when Is > 0
   int32_t* layout;           // (LayoutScratchInts(T, k, E))
+};
+
+// One FP8 backward call (mok_moe_bwd_fp8): MoeBwdArgs' gradients with the data gradients'
+// GEMMs block-scaled e4m3 (dh = dy @ w_down^T with dy in 1 x 128 blocks along H, dx_r =
+// [dg | du] @ [w_gate | w_up]^T with dgu in 1 x 128 blocks along 2I), the weight gradients
+// bf16. bwd's weight pointers are the e4m3 weights as they are, (E, H, I), (E, H, I), (E, I, H)
+// (and (H, Is), (H, Is), (Is, H)); bwd.recompute is false (gu is the forward's) and its dy
+// bf16. Activation scales as in MoeFwdFp8Args.
+struct MoeBwdFp8Args {
+  MoeBwdArgs bwd;
+  const float* w_gate_scale;      // (E, H / 128, I / 128)
+  const float* w_up_scale;        // (E, H / 128, I / 128)
+  const float* w_down_scale;      // (E, I / 128, H / 128)
+  const float* ws_gate_scale;     // (H / 128, Is / 128)
+  const float* ws_up_scale;       // (H / 128, Is / 128)
+  const float* ws_down_scale;     // (Is / 128, H / 128)
+  void* dyq;                      // scratch (R, H) e4m3: dy of each routed row
+  float* dyq_scale;               // (H / 128, Fp8ScalePitch(R))
+  void* dyq_shared;               // scratch (T, H) e4m3 when Is > 0
+  float* dyq_shared_scale;        // (H / 128, Fp8ScalePitch(T))
+  void* dguq;                     // scratch (R, 2I) e4m3: [dg | du] of each routed row
+  float* dguq_scale;              // (2I / 128, Fp8ScalePitch(R))
+  void* dguq_shared;              // scratch (T, 2Is) e4m3
+  float* dguq_shared_scale;       // (2Is / 128, Fp8ScalePitch(T))
 };
 
 // Enqueues the whole forward on `stream`; nothing waits on the host. Returns nullptr, or a
@@ -134,6 +160,7 @@ struct MoeFwdFp8Args {
 const char* LaunchMoeFwd(const MoeFwdArgs& args, cudaStream_t stream);
 const char* LaunchMoeBwd(const MoeBwdArgs& args, cudaStream_t stream);
 const char* LaunchMoeFwdFp8(const MoeFwdFp8Args& args, cudaStream_t stream);
+const char* LaunchMoeBwdFp8(const MoeBwdFp8Args& args, cudaStream_t stream);
 
 // The forward's combine on its own (mok_moe_combine): out[t] = round(sum_j weights[t, j]
 // rows[pos[t, j]] in j order + extra[t]), one warp a token (sm90/combine.cuh). rows and extra

@@ -116,4 +116,18 @@ inline void QuantizeRow(int64_t n, const float* v, uint8_t* q, float* scale, int
   }
 }
 
+// acc plus, over the 128-blocks kb of K, (sum_k a[k] b[k] in f32, k ascending) times a's and
+// b's block scales, added in f32 (fmaf) as the FP8 kernels promote their tensor-core sums: a
+// and b (K) e4m3, a's scales at a_scale[kb * a_pitch], b's (a row of a K-major weight) at
+// b_scale[kb * b_stride].
+inline float Fp8Dot(float acc, int64_t K, const uint8_t* a, const float* a_scale,
+                    int64_t a_pitch, const uint8_t* b, const float* b_scale, int64_t b_stride) {
+  for (int64_t kb = 0; kb < K / 128; ++kb) {
+    float part = 0.0f;
+    for (int64_t k = kb * 128; k < (kb + 1) * 128; ++k) part += FromE4m3(a[k]) * FromE4m3(b[k]);
+    acc = std::fmaf(part, a_scale[kb * a_pitch] * b_scale[kb * b_stride], acc);
+  }
+  return acc;
+}
+
 }  // namespace mok::cpu

@@ -15,6 +15,7 @@ NB_MODULE(_mok_cpu, m) {
     targets["mok_moe_bwd"] = mok::Capsule(MokMoeBwdCpu);
     targets["mok_moe_combine"] = mok::Capsule(MokMoeCombineCpu);
     targets["mok_moe_fwd_fp8"] = mok::Capsule(MokMoeFwdFp8Cpu);
+    targets["mok_moe_bwd_fp8"] = mok::Capsule(MokMoeBwdFp8Cpu);
     targets["mok_quantize_weight"] = mok::Capsule(MokQuantizeWeightCpu);
     return targets;
   });

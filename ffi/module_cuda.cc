@@ -80,6 +80,7 @@ NB_MODULE(_mok_cuda, m) {
     targets["mok_ep_dispatch"] = mok::Capsule(MokEpDispatchCuda);
     targets["mok_ep_combine"] = mok::Capsule(MokEpCombineCuda);
     targets["mok_moe_fwd_fp8"] = mok::Capsule(MokMoeFwdFp8Cuda);
+    targets["mok_moe_bwd_fp8"] = mok::Capsule(MokMoeBwdFp8Cuda);
     targets["mok_quantize_weight"] = mok::Capsule(MokQuantizeWeightCuda);
     return targets;
   });

@@ -187,16 +187,9 @@ ffi::Error CheckFwdResults(const char* target, const MoeDims& d, ffi::DataType d
   return ffi::Error::Success();
 }
 
-// dy (T, H) of x's dtype or f32; the residuals as CheckFwdResults wants them; the gradients and
-// the backward's scratch.
-ffi::Error CheckBwdArgs(const char* target, const MoeDims& d, ffi::DataType dtype,
-                        ffi::AnyBuffer dy, const MoeResiduals& res, const MoeBwdResults& out) {
-  auto dydt = dy.element_type();
-  if (dydt != dtype && dydt != ffi::DataType::F32)
-    return Invalid(target, "dy must be of x's dtype or f32, got " +
-                               Describe(dydt, dy.dimensions()));
-  if (auto err = CheckBuffer(target, "dy", dy, dydt, {d.T, d.H}); err.failure()) return err;
-  if (auto err = CheckResiduals(target, d, dtype, res); err.failure()) return err;
+// The gradients and the backward's scratch of mok_moe_bwd (and mok_moe_bwd_fp8).
+ffi::Error CheckBwdResults(const char* target, const MoeDims& d, ffi::DataType dtype,
+                           const MoeBwdResults& out) {
   const ffi::DataType f32 = ffi::DataType::F32;
   for (auto err : {CheckBuffer(target, "dx", out.dx, dtype, {d.T, d.H}),
                    CheckBuffer(target, "dweights", out.dweights, f32, {d.T, d.k}),
@@ -217,6 +210,19 @@ ffi::Error CheckBwdArgs(const char* target, const MoeDims& d, ffi::DataType dtyp
     if (err.failure()) return err;
   }
   return ffi::Error::Success();
+}
+
+// dy (T, H) of x's dtype or f32; the residuals as CheckFwdResults wants them; the gradients and
+// the backward's scratch.
+ffi::Error CheckBwdArgs(const char* target, const MoeDims& d, ffi::DataType dtype,
+                        ffi::AnyBuffer dy, const MoeResiduals& res, const MoeBwdResults& out) {
+  auto dydt = dy.element_type();
+  if (dydt != dtype && dydt != ffi::DataType::F32)
+    return Invalid(target, "dy must be of x's dtype or f32, got " +
+                               Describe(dydt, dy.dimensions()));
+  if (auto err = CheckBuffer(target, "dy", dy, dydt, {d.T, d.H}); err.failure()) return err;
+  if (auto err = CheckResiduals(target, d, dtype, res); err.failure()) return err;
+  return CheckBwdResults(target, d, dtype, out);
 }
 
 // The checks of mok_moe_fwd and mok_moe_bwd in order: the inputs, the platform's kernel
@@ -256,50 +262,86 @@ ffi::ErrorOr<MoeDims> CheckBwdCall(Platform platform, ffi::AnyBuffer dy, const M
                    });
 }
 
-ffi::ErrorOr<MoeDims> CheckFp8Call(Platform platform, const MoeFp8Inputs& in,
-                                   const MoeFwdFp8Results& out, int64_t block_m, int64_t ranks) {
-  const char* target = "mok_moe_fwd_fp8";
+namespace {
+
+// The inputs of the FP8 targets: x, experts, weights and the e4m3 weights with their scales,
+// K-major for the forward (transposed, `as_is` false) or as they are for the backward.
+ffi::ErrorOr<MoeDims> CheckFp8Inputs(const char* target, const MoeFp8Inputs& in, bool as_is,
+                                     int64_t block_m, int64_t ranks) {
   auto x = in.x.dimensions(), wg = in.w_gate.dimensions(), wsg = in.ws_gate.dimensions();
   auto fail = [&](const std::string& what) { return ffi::Unexpected(Invalid(target, what)); };
   if (in.x.element_type() != ffi::DataType::BF16 || x.size() != 2)
     return fail("x must be bf16 (T, H), got " + Describe(in.x.element_type(), x));
   if (auto err = CheckExperts(target, x, in.experts); err.failure()) return ffi::Unexpected(err);
-  if (wg.size() != 3 || wg[2] != x[1] || wg[0] < 1 || wg[1] < 1)
-    return fail("w_gate must be (E, I, H) with H = " + std::to_string(x[1]) + ", got " +
-                Describe(in.w_gate.element_type(), wg));
-  if (wsg.size() != 2 || wsg[1] != x[1])
-    return fail("ws_gate must be (Is, H) with H = " + std::to_string(x[1]) + ", got " +
-                Describe(in.ws_gate.element_type(), wsg));
+  const std::string h = std::to_string(x[1]);
+  if (wg.size() != 3 || wg[as_is ? 1 : 2] != x[1] || wg[0] < 1 || wg[as_is ? 2 : 1] < 1)
+    return fail(std::string("w_gate must be ") + (as_is ? "(E, H, I)" : "(E, I, H)") +
+                " with H = " + h + ", got " + Describe(in.w_gate.element_type(), wg));
+  if (wsg.size() != 2 || wsg[as_is ? 0 : 1] != x[1])
+    return fail(std::string("ws_gate must be ") + (as_is ? "(H, Is)" : "(Is, H)") +
+                " with H = " + h + ", got " + Describe(in.ws_gate.element_type(), wsg));
   if (auto err = CheckAttrs(target, block_m, ranks); err.failure()) return ffi::Unexpected(err);
-  MoeDims d{x[0], x[1], wg[1], wg[0], in.experts.dimensions()[1], wsg[0], 0, block_m, false,
-            ranks};
+  MoeDims d{x[0], x[1], wg[as_is ? 2 : 1], wg[0], in.experts.dimensions()[1],
+            wsg[as_is ? 1 : 0], 0, block_m, false, ranks};
   if (d.H % 128 || d.I % 128 || d.Is % 128)
     return fail("H, I and Is must be multiples of 128 (the FP8 blocks), got " +
                 std::to_string(d.H) + ", " + std::to_string(d.I) + ", " + std::to_string(d.Is));
   d.R = RoutedRows(d.T * d.k, d.E, d.block_m);
   const int64_t hb = d.H / 128, ib = d.I / 128, sb = d.Is / 128;
+  const ffi::DataType f8 = ffi::DataType::F8E4M3FN, f32 = ffi::DataType::F32;
+  // (rows, cols) of a weight as it is: swapped where the forward takes it K-major.
+  auto weight = [&](const char* name, ffi::AnyBuffer b, std::initializer_list<int64_t> lead,
+                    int64_t rows, int64_t cols) {
+    std::vector<int64_t> shape(lead);
+    shape.push_back(as_is ? rows : cols), shape.push_back(as_is ? cols : rows);
+    auto got = b.dimensions();
+    if (b.element_type() == f8 && got.size() == shape.size() &&
+        std::equal(shape.begin(), shape.end(), got.begin()))
+      return ffi::Error::Success();
+    return Invalid(target, std::string(name) + " must be " + Describe(f8, shape) + ", got " +
+                               Describe(b.element_type(), got));
+  };
+  for (auto err : {CheckBuffer(target, "experts", in.experts, ffi::DataType::S32, {d.T, d.k}),
+                   CheckBuffer(target, "weights", in.weights, f32, {d.T, d.k}),
+                   weight("w_gate", in.w_gate, {d.E}, d.H, d.I),
+                   CheckBuffer(target, "w_gate_scale", in.w_gate_scale, f32, {d.E, hb, ib}),
+                   weight("w_up", in.w_up, {d.E}, d.H, d.I),
+                   CheckBuffer(target, "w_up_scale", in.w_up_scale, f32, {d.E, hb, ib}),
+                   weight("w_down", in.w_down, {d.E}, d.I, d.H),
+                   CheckBuffer(target, "w_down_scale", in.w_down_scale, f32, {d.E, ib, hb}),
+                   weight("ws_gate", in.ws_gate, {}, d.H, d.Is),
+                   CheckBuffer(target, "ws_gate_scale", in.ws_gate_scale, f32, {hb, sb}),
+                   weight("ws_up", in.ws_up, {}, d.H, d.Is),
+                   CheckBuffer(target, "ws_up_scale", in.ws_up_scale, f32, {hb, sb}),
+                   weight("ws_down", in.ws_down, {}, d.Is, d.H),
+                   CheckBuffer(target, "ws_down_scale", in.ws_down_scale, f32, {sb, hb})}) {
+    if (err.failure()) return ffi::Unexpected(err);
+  }
+  return d;
+}
+
+}  // namespace
+
+ffi::ErrorOr<MoeDims> CheckFp8Call(Platform platform, const MoeFp8Inputs& in,
+                                   const MoeFwdFp8Results& out, int64_t block_m, int64_t ranks) {
+  const char* target = "mok_moe_fwd_fp8";
+  auto dims = CheckFp8Inputs(target, in, /*as_is=*/false, block_m, ranks);
+  if (dims.has_error()) return dims;
+  MoeDims d = *dims;
+  const int64_t hb = d.H / 128, ib = d.I / 128, sb = d.Is / 128;
   const int64_t pitch = Fp8ScalePitch(d.R), shared_rows = d.Is > 0 ? d.T : 0;
   const ffi::DataType f8 = ffi::DataType::F8E4M3FN, f32 = ffi::DataType::F32,
                       s32 = ffi::DataType::S32, bf16 = ffi::DataType::BF16;
   const ffi::DataType ydt = out.y.element_type() == f32 ? f32 : bf16;
-  for (auto err : {CheckBuffer(target, "experts", in.experts, s32, {d.T, d.k}),
-                   CheckBuffer(target, "weights", in.weights, f32, {d.T, d.k}),
-                   CheckBuffer(target, "w_gate", in.w_gate, f8, {d.E, d.I, d.H}),
-                   CheckBuffer(target, "w_gate_scale", in.w_gate_scale, f32, {d.E, hb, ib}),
-                   CheckBuffer(target, "w_up", in.w_up, f8, {d.E, d.I, d.H}),
-                   CheckBuffer(target, "w_up_scale", in.w_up_scale, f32, {d.E, hb, ib}),
-                   CheckBuffer(target, "w_down", in.w_down, f8, {d.E, d.H, d.I}),
-                   CheckBuffer(target, "w_down_scale", in.w_down_scale, f32, {d.E, ib, hb}),
-                   CheckBuffer(target, "ws_gate", in.ws_gate, f8, {d.Is, d.H}),
-                   CheckBuffer(target, "ws_gate_scale", in.ws_gate_scale, f32, {hb, sb}),
-                   CheckBuffer(target, "ws_up", in.ws_up, f8, {d.Is, d.H}),
-                   CheckBuffer(target, "ws_up_scale", in.ws_up_scale, f32, {hb, sb}),
-                   CheckBuffer(target, "ws_down", in.ws_down, f8, {d.H, d.Is}),
-                   CheckBuffer(target, "ws_down_scale", in.ws_down_scale, f32, {sb, hb}),
-                   CheckBuffer(target, "y", out.y, ydt, {d.T, d.H}),
+  // gu kept (R rows) or not (0 rows, recompute in MoeDims' sense).
+  d.recompute = out.gu.dimensions().size() == 2 && out.gu.dimensions()[0] == 0 && d.R > 0;
+  for (auto err : {CheckBuffer(target, "y", out.y, ydt, {d.T, d.H}),
                    CheckBuffer(target, "pos", out.pos, s32, {d.T, d.k}),
                    CheckBuffer(target, "offsets", out.offsets, s32, {d.E + 1}),
                    CheckBuffer(target, "rows", out.rows, s32, {d.R}),
+                   CheckBuffer(target, "gu", out.gu, bf16, {d.recompute ? 0 : d.R, 2 * d.I}),
+                   CheckBuffer(target, "gu_shared", out.gu_shared, bf16,
+                               {d.recompute ? 0 : d.T, 2 * d.Is}),
                    CheckBuffer(target, "xq", out.xq, f8, {d.R, d.H}),
                    CheckBuffer(target, "xq_scale", out.xq_scale, f32, {hb, pitch}),
                    CheckBuffer(target, "hq", out.hq, f8, {d.R, d.I}),
@@ -314,6 +356,40 @@ ffi::ErrorOr<MoeDims> CheckFp8Call(Platform platform, const MoeFp8Inputs& in,
                    CheckBuffer(target, "y_shared", out.y_shared, bf16, {shared_rows, d.H}),
                    CheckBuffer(target, "layout", out.layout, s32,
                                {LayoutScratchInts(d.T, d.k, d.E)}),
+                   CheckKernelContract(platform, target, in.x, block_m)}) {
+    if (err.failure()) return ffi::Unexpected(err);
+  }
+  return d;
+}
+
+ffi::ErrorOr<MoeDims> CheckBwdFp8Call(Platform platform, ffi::AnyBuffer dy,
+                                      const MoeFp8Inputs& in, const MoeFp8Residuals& res,
+                                      const MoeBwdResults& out, const MoeBwdFp8Scratch& q,
+                                      int64_t block_m, int64_t ranks) {
+  const char* target = "mok_moe_bwd_fp8";
+  auto dims = CheckFp8Inputs(target, in, /*as_is=*/true, block_m, ranks);
+  if (dims.has_error()) return dims;
+  const MoeDims& d = *dims;
+  const int64_t hb = d.H / 128, pitch = Fp8ScalePitch(d.R), shared_rows = d.Is > 0 ? d.T : 0;
+  const ffi::DataType f8 = ffi::DataType::F8E4M3FN, f32 = ffi::DataType::F32,
+                      s32 = ffi::DataType::S32, bf16 = ffi::DataType::BF16;
+  for (auto err : {CheckBuffer(target, "dy", dy, bf16, {d.T, d.H}),
+                   CheckBuffer(target, "pos", res.pos, s32, {d.T, d.k}),
+                   CheckBuffer(target, "offsets", res.offsets, s32, {d.E + 1}),
+                   CheckBuffer(target, "rows", res.rows, s32, {d.R}),
+                   CheckBuffer(target, "gu", res.gu, bf16, {d.R, 2 * d.I}),
+                   CheckBuffer(target, "gu_shared", res.gu_shared, bf16, {d.T, 2 * d.Is}),
+                   CheckBwdResults(target, d, bf16, out),
+                   CheckBuffer(target, "dyq", q.dyq, f8, {d.R, d.H}),
+                   CheckBuffer(target, "dyq_scale", q.dyq_scale, f32, {hb, pitch}),
+                   CheckBuffer(target, "dyq_shared", q.dyq_shared, f8, {shared_rows, d.H}),
+                   CheckBuffer(target, "dyq_shared_scale", q.dyq_shared_scale, f32,
+                               {hb, Fp8ScalePitch(shared_rows)}),
+                   CheckBuffer(target, "dguq", q.dguq, f8, {d.R, 2 * d.I}),
+                   CheckBuffer(target, "dguq_scale", q.dguq_scale, f32, {2 * d.I / 128, pitch}),
+                   CheckBuffer(target, "dguq_shared", q.dguq_shared, f8, {d.T, 2 * d.Is}),
+                   CheckBuffer(target, "dguq_shared_scale", q.dguq_shared_scale, f32,
+                               {2 * d.Is / 128, Fp8ScalePitch(d.T)}),
                    CheckKernelContract(platform, target, in.x, block_m)}) {
     if (err.failure()) return ffi::Unexpected(err);
   }

@@ -250,6 +250,10 @@ struct MoeFwdFp8Results {
   ffi::AnyBuffer pos;              // (T, k) s32, as mok_moe_fwd's
   ffi::AnyBuffer offsets;          // (E + 1) s32
   ffi::AnyBuffer rows;             // (R) s32
+  // [g | u] bf16 for mok_moe_bwd_fp8: (R, 2I) and (T, 2Is) when kept, (0, 2I) and (0, 2Is)
+  // when not (the forward's other buffers are scratch that the layer does not keep).
+  ffi::AnyBuffer gu;
+  ffi::AnyBuffer gu_shared;
   ffi::AnyBuffer xq;               // (R, H) f8e4m3fn: each routed row's token row, 0 padding
   ffi::AnyBuffer xq_scale;         // (H / 128, Fp8ScalePitch(R)) f32, 1 for padding rows
   ffi::AnyBuffer hq;               // (R, I) f8e4m3fn: silu(g) * u
@@ -264,8 +268,7 @@ struct MoeFwdFp8Results {
 };
 
 // Checks the inputs and results of mok_moe_fwd_fp8, then the platform's kernel contract, and
-// returns the sizes of the call (recompute false: the FP8 forward keeps no residual of the
-// GEMMs).
+// returns the sizes of the call (recompute true where gu has no rows: not kept).
 ffi::ErrorOr<MoeDims> CheckFp8Call(Platform platform, const MoeFp8Inputs& in,
                                    const MoeFwdFp8Results& out, int64_t block_m, int64_t ranks);
 
@@ -290,6 +293,8 @@ auto BindMoeFwdFp8(Binding binding) {
       .template Ret<ffi::AnyBuffer>()            // pos (T, k) s32
       .template Ret<ffi::AnyBuffer>()            // offsets (E + 1) s32
       .template Ret<ffi::AnyBuffer>()            // rows (R) s32
+      .template Ret<ffi::AnyBuffer>()            // gu (R or 0, 2I) bf16
+      .template Ret<ffi::AnyBuffer>()            // gu_shared (T or 0, 2Is) bf16
       .template Ret<ffi::AnyBuffer>()            // xq (R, H) f8e4m3fn
       .template Ret<ffi::AnyBuffer>()            // xq_scale (H / 128, pitch) f32
       .template Ret<ffi::AnyBuffer>()            // hq (R, I) f8e4m3fn
@@ -301,6 +306,88 @@ auto BindMoeFwdFp8(Binding binding) {
       .template Ret<ffi::AnyBuffer>()            // hq_shared_scale (Is / 128, pitch) f32
       .template Ret<ffi::AnyBuffer>()            // y_shared (T or 0, H) bf16
       .template Ret<ffi::AnyBuffer>()            // layout s32
+      .template Attr<int64_t>("block_m")
+      .template Attr<int64_t>("ranks");
+}
+
+// mok_moe_bwd_fp8: mok_moe_bwd's gradients of mok_moe_fwd_fp8, the data gradients' GEMMs in
+// block-scaled e4m3 (dy and [dg | du] in 1 x 128 blocks along H and 2I), the weight gradients
+// bf16 GEMMs. Its weights are MoeFp8Inputs' buffers with the e4m3 blocks as they are, (E, H, I),
+// (E, H, I), (E, I, H) and (H, Is), (H, Is), (Is, H): the data gradients multiply by W^T, whose
+// K-major form W is. The residuals are the forward's layout and gu (kept); its results are
+// mok_moe_bwd's (xs_rows: x gathered, then dx_r) and the e4m3 rows of dy and dgu.
+struct MoeFp8Residuals {
+  ffi::AnyBuffer pos;        // (T, k) s32
+  ffi::AnyBuffer offsets;    // (E + 1) s32
+  ffi::AnyBuffer rows;       // (R) s32
+  ffi::AnyBuffer gu;         // (R, 2I) bf16
+  ffi::AnyBuffer gu_shared;  // (T, 2Is) bf16
+};
+
+struct MoeBwdFp8Scratch {
+  ffi::AnyBuffer dyq;                // (R, H) f8e4m3fn
+  ffi::AnyBuffer dyq_scale;          // (H / 128, Fp8ScalePitch(R)) f32
+  ffi::AnyBuffer dyq_shared;         // (T or 0, H) f8e4m3fn
+  ffi::AnyBuffer dyq_shared_scale;   // (H / 128, Fp8ScalePitch(T or 0)) f32
+  ffi::AnyBuffer dguq;               // (R, 2I) f8e4m3fn
+  ffi::AnyBuffer dguq_scale;         // (2I / 128, Fp8ScalePitch(R)) f32
+  ffi::AnyBuffer dguq_shared;        // (T, 2Is) f8e4m3fn
+  ffi::AnyBuffer dguq_shared_scale;  // (2Is / 128, Fp8ScalePitch(T)) f32
+};
+
+ffi::ErrorOr<MoeDims> CheckBwdFp8Call(Platform platform, ffi::AnyBuffer dy,
+                                      const MoeFp8Inputs& in, const MoeFp8Residuals& res,
+                                      const MoeBwdResults& out, const MoeBwdFp8Scratch& q,
+                                      int64_t block_m, int64_t ranks);
+
+template <class Binding>
+auto BindMoeBwdFp8(Binding binding) {
+  return std::move(binding).template Arg<ffi::AnyBuffer>()  // dy (T, H) bf16
+      .template Arg<ffi::AnyBuffer>()            // x (T, H) bf16
+      .template Arg<ffi::AnyBuffer>()            // experts (T, k) s32
+      .template Arg<ffi::AnyBuffer>()            // weights (T, k) f32
+      .template Arg<ffi::AnyBuffer>()            // w_gate (E, H, I) f8e4m3fn
+      .template Arg<ffi::AnyBuffer>()            // w_gate_scale (E, H / 128, I / 128) f32
+      .template Arg<ffi::AnyBuffer>()            // w_up (E, H, I) f8e4m3fn
+      .template Arg<ffi::AnyBuffer>()            // w_up_scale (E, H / 128, I / 128) f32
+      .template Arg<ffi::AnyBuffer>()            // w_down (E, I, H) f8e4m3fn
+      .template Arg<ffi::AnyBuffer>()            // w_down_scale (E, I / 128, H / 128) f32
+      .template Arg<ffi::AnyBuffer>()            // ws_gate (H, Is) f8e4m3fn
+      .template Arg<ffi::AnyBuffer>()            // ws_gate_scale (H / 128, Is / 128) f32
+      .template Arg<ffi::AnyBuffer>()            // ws_up (H, Is) f8e4m3fn
+      .template Arg<ffi::AnyBuffer>()            // ws_up_scale (H / 128, Is / 128) f32
+      .template Arg<ffi::AnyBuffer>()            // ws_down (Is, H) f8e4m3fn
+      .template Arg<ffi::AnyBuffer>()            // ws_down_scale (Is / 128, H / 128) f32
+      .template Arg<ffi::AnyBuffer>()            // pos (T, k) s32
+      .template Arg<ffi::AnyBuffer>()            // offsets (E + 1) s32
+      .template Arg<ffi::AnyBuffer>()            // rows (R) s32
+      .template Arg<ffi::AnyBuffer>()            // gu (R, 2I) bf16
+      .template Arg<ffi::AnyBuffer>()            // gu_shared (T, 2Is) bf16
+      .template Ret<ffi::AnyBuffer>()            // dx (T, H) bf16
+      .template Ret<ffi::AnyBuffer>()            // dweights (T, k) f32
+      .template Ret<ffi::AnyBuffer>()            // dw_gate (E, H, I) bf16
+      .template Ret<ffi::AnyBuffer>()            // dw_up (E, H, I)
+      .template Ret<ffi::AnyBuffer>()            // dw_down (E, I, H)
+      .template Ret<ffi::AnyBuffer>()            // dws_gate (H, Is)
+      .template Ret<ffi::AnyBuffer>()            // dws_up (H, Is)
+      .template Ret<ffi::AnyBuffer>()            // dws_down (Is, H)
+      .template Ret<ffi::AnyBuffer>()            // scratch xs_rows (R, H): xs, then dx_routed
+      .template Ret<ffi::AnyBuffer>()            // scratch dy_routed (R, H)
+      .template Ret<ffi::AnyBuffer>()            // scratch dgu (R, 2I), over gu
+      .template Ret<ffi::AnyBuffer>()            // scratch dgu_shared (T, 2Is), over gu_shared
+      .template Ret<ffi::AnyBuffer>()            // scratch h (R, I)
+      .template Ret<ffi::AnyBuffer>()            // scratch h_shared (T, Is)
+      .template Ret<ffi::AnyBuffer>()            // scratch dx_shared (T or 0, H)
+      .template Ret<ffi::AnyBuffer>()            // scratch dw_parts f32 (R, ceil(I / 128))
+      .template Ret<ffi::AnyBuffer>()            // scratch queue s32 (TileQueueInts(T, k, E))
+      .template Ret<ffi::AnyBuffer>()            // scratch dyq (R, H) f8e4m3fn
+      .template Ret<ffi::AnyBuffer>()            // scratch dyq_scale (H / 128, pitch) f32
+      .template Ret<ffi::AnyBuffer>()            // scratch dyq_shared (T or 0, H) f8e4m3fn
+      .template Ret<ffi::AnyBuffer>()            // scratch dyq_shared_scale f32
+      .template Ret<ffi::AnyBuffer>()            // scratch dguq (R, 2I) f8e4m3fn
+      .template Ret<ffi::AnyBuffer>()            // scratch dguq_scale (2I / 128, pitch) f32
+      .template Ret<ffi::AnyBuffer>()            // scratch dguq_shared (T, 2Is) f8e4m3fn
+      .template Ret<ffi::AnyBuffer>()            // scratch dguq_shared_scale f32
       .template Attr<int64_t>("block_m")
       .template Attr<int64_t>("ranks");
 }

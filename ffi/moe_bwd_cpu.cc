@@ -1,4 +1,5 @@
-// mok_moe_bwd on the CPU: every gradient from dy and the forward's residuals.
+// mok_moe_bwd and mok_moe_bwd_fp8 on the CPU: every gradient from dy and the forward's
+// residuals (the FP8 target's data-gradient products in e4m3, Fp8Products).
 //
 //   dy_r[p]  = dy[t]                           dh' = dy_r @ w_down^T, dh = w[t, j] dh'
 //   dweights[t, j] = <dh'[p], h[p]>            (= <dy[t], y_routed[p]>; h = silu(g) u, f32)
@@ -72,15 +73,45 @@ void RecomputeGu(const MoeDims& d, const MoeInputs& in, const int32_t* rows,
     GateUp<S>(H, Is, x + t * H, wsg, wsu, gu_s + t * 2 * Is, g.data(), u.data());
 }
 
-template <class S, class D>
+// The data gradients' products of mok_moe_bwd: dh' = dy @ w_down^T and dx = dg @ w_gate^T +
+// du @ w_up^T, summed in f32 in order, of a routed row r (expert e) or of the shared expert's
+// token t. Rows(r, row) comes first, with each row's dgu once written.
+template <class S>
+struct ExactProducts {
+  const MoeDims& d;
+  const S *wg, *wu, *wd, *wsg, *wsu, *wsd;
+
+  ExactProducts(const MoeDims& dims, const MoeInputs& in)
+      : d(dims),
+        wg(in.w_gate.reinterpret_data<S>()), wu(in.w_up.reinterpret_data<S>()),
+        wd(in.w_down.reinterpret_data<S>()), wsg(in.ws_gate.reinterpret_data<S>()),
+        wsu(in.ws_up.reinterpret_data<S>()), wsd(in.ws_down.reinterpret_data<S>()) {}
+  template <class R>
+  float Dh(bool shared, int64_t e, int64_t, int64_t i, const R* dy_row) const {
+    const int64_t I = shared ? d.Is : d.I;
+    const S* w = shared ? wsd + i * d.H : wd + (e * I + i) * d.H;
+    float dh = 0.0f;
+    for (int64_t h = 0; h < d.H; ++h) dh += Load(dy_row[h]) * Load(w[h]);
+    return dh;
+  }
+  void Dgu(bool, int64_t, const S*) {}
+  float Dx(bool shared, int64_t e, int64_t, int64_t h, const S* dgu_row) const {
+    const int64_t I = shared ? d.Is : d.I;
+    const S* g = shared ? wsg + h * I : wg + (e * d.H + h) * I;
+    const S* u = shared ? wsu + h * I : wu + (e * d.H + h) * I;
+    float dx = 0.0f;
+    for (int64_t i = 0; i < I; ++i) dx += Load(dgu_row[i]) * Load(g[i]) + Load(dgu_row[I + i]) * Load(u[i]);
+    return dx;
+  }
+};
+
+template <class S, class D, class Products>
 void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
-              const MoeResiduals& res, const MoeBwdResults& out) {
+              const MoeResiduals& res, const MoeBwdResults& out, Products& prod) {
   const int64_t T = d.T, H = d.H, I = d.I, k = d.k, Is = d.Is;
   const D* dy = dy_buf.reinterpret_data<D>();
   const S* x = in.x.reinterpret_data<S>();
   const float* weights = in.weights.reinterpret_data<float>();
-  const S *wg = in.w_gate.reinterpret_data<S>(), *wu = in.w_up.reinterpret_data<S>(),
-          *wd = in.w_down.reinterpret_data<S>();
   const int32_t* pos = res.pos.reinterpret_data<int32_t>();
   const int32_t* offsets = res.offsets.reinterpret_data<int32_t>();
   const int32_t* rows = res.rows.reinterpret_data<int32_t>();
@@ -111,7 +142,6 @@ void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
     *dwd = out.dw_down.reinterpret_data<S>();
   std::vector<float> acc_d(I * H), acc_g(H * I), acc_u(H * I), h_row(I);
   for (int64_t e = 0; e < d.E; ++e) {
-    const S* wd_e = wd + e * I * H;
     std::fill(acc_d.begin(), acc_d.end(), 0.0f);
     std::fill(acc_g.begin(), acc_g.end(), 0.0f);
     std::fill(acc_u.begin(), acc_u.end(), 0.0f);
@@ -128,8 +158,7 @@ void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
       std::fill(dw_parts + r * parts, dw_parts + (r + 1) * parts, 0.0f);
       for (int64_t i = 0; i < I; ++i) {
         float g = Load(gu_row[i]), u = Load(gu_row[I + i]);
-        float dh = 0.0f;
-        for (int64_t h = 0; h < H; ++h) dh += Load(dyr_row[h]) * Load(wd_e[i * H + h]);
+        float dh = prod.Dh(false, e, r, i, dyr_row);
         float hv = Silu(g) * u;
         dw_parts[r * parts + i / 128] += dh * hv;
         dh *= w;
@@ -138,6 +167,7 @@ void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
         h_rec[r * I + i] = Store<S>(w * hv);
         h_row[i] = Load(h_rec[r * I + i]);
       }
+      prod.Dgu(false, r, dgu_row);
       const S* x_row = x + rows[r] / k * H;
       for (int64_t h = 0; h < H; ++h) {
         float xv = Load(x_row[h]);
@@ -159,25 +189,15 @@ void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
   S* dx_r = out.xs_rows.reinterpret_data<S>();
   std::fill(dx_r, dx_r + d.R * H, Store<S>(0.0f));
   for (int64_t e = 0; e < d.E; ++e) {
-    const S *wg_e = wg + e * H * I, *wu_e = wu + e * H * I;
     for (int64_t r = offsets[e]; r < offsets[e + 1]; ++r) {
       if (rows[r] < 0) continue;
       const S* dgu_row = dgu + r * 2 * I;
-      for (int64_t h = 0; h < H; ++h) {
-        float dx = 0.0f;
-        for (int64_t i = 0; i < I; ++i) {
-          float dg = Load(dgu_row[i]), du = Load(dgu_row[I + i]);
-          dx += dg * Load(wg_e[h * I + i]) + du * Load(wu_e[h * I + i]);
-        }
-        dx_r[r * H + h] = Store<S>(dx);
-      }
+      for (int64_t h = 0; h < H; ++h) dx_r[r * H + h] = Store<S>(prod.Dx(false, e, r, h, dgu_row));
     }
   }
 
   // dx[t] = round(sum_j dx_r[pos[t, j]] in j order + the shared expert's part). The shared
   // expert is a dense MLP over all T tokens; its weight gradients sum over t in order.
-  const S *wsg = in.ws_gate.reinterpret_data<S>(), *wsu = in.ws_up.reinterpret_data<S>(),
-          *wsd = in.ws_down.reinterpret_data<S>();
   const S* gu_s = (d.recompute ? out.dgu_shared : res.gu_shared).reinterpret_data<S>();
   S* dgu_s = out.dgu_shared.reinterpret_data<S>();
   S* h_s = out.h_shared.reinterpret_data<S>();
@@ -196,24 +216,19 @@ void Backward(const MoeDims& d, ffi::AnyBuffer dy_buf, const MoeInputs& in,
     for (int64_t i = 0; i < Is; ++i) {
       float g = Load(gu_row[i]), u = Load(gu_row[Is + i]);
       h_s[t * Is + i] = Store<S>(Silu(g) * u);
-      float dh = 0.0f, a = Load(h_s[t * Is + i]);
-      for (int64_t h = 0; h < H; ++h) {
-        float dyv = Load(dy[t * H + h]);
-        dh += dyv * Load(wsd[i * H + h]);
-        sd[i * H + h] += a * dyv;
-      }
+      float dh = prod.Dh(true, 0, t, i, dy + t * H), a = Load(h_s[t * Is + i]);
+      for (int64_t h = 0; h < H; ++h) sd[i * H + h] += a * Load(dy[t * H + h]);
       dgu_row[i] = Store<S>(dh * u * SiluGrad(g));
       dgu_row[Is + i] = Store<S>(dh * Silu(g));
     }
+    if (Is > 0) prod.Dgu(true, t, dgu_row);
     for (int64_t h = 0; h < H && Is > 0; ++h) {
-      float xv = Load(x[t * H + h]), dxs = 0.0f;
+      float xv = Load(x[t * H + h]);
       for (int64_t i = 0; i < Is; ++i) {
-        float dg = Load(dgu_row[i]), du = Load(dgu_row[Is + i]);
-        dxs += dg * Load(wsg[h * Is + i]) + du * Load(wsu[h * Is + i]);
-        sg[h * Is + i] += xv * dg;
-        su[h * Is + i] += xv * du;
+        sg[h * Is + i] += xv * Load(dgu_row[i]);
+        su[h * Is + i] += xv * Load(dgu_row[Is + i]);
       }
-      dx_s[t * H + h] = Store<S>(dxs);
+      dx_s[t * H + h] = Store<S>(prod.Dx(true, 0, t, h, dgu_row));
     }
   }
   CombineRows<S, S>(T, k, H, dx_r, pos, nullptr, Is > 0 ? dx_s : nullptr, dx);
@@ -253,12 +268,123 @@ ffi::Error MoeBwd(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer experts,
     return err;
   bool dy_f32 = dy.element_type() == ffi::DataType::F32;
   if (x.element_type() == ffi::DataType::F32) {
-    Backward<float, float>(*dims, dy, in, res, out);
+    ExactProducts<float> prod(*dims, in);
+    Backward<float, float>(*dims, dy, in, res, out, prod);
   } else if (dy_f32) {
-    Backward<bf16_bits, float>(*dims, dy, in, res, out);
+    ExactProducts<bf16_bits> prod(*dims, in);
+    Backward<bf16_bits, float>(*dims, dy, in, res, out, prod);
   } else {
-    Backward<bf16_bits, bf16_bits>(*dims, dy, in, res, out);
+    ExactProducts<bf16_bits> prod(*dims, in);
+    Backward<bf16_bits, bf16_bits>(*dims, dy, in, res, out, prod);
   }
+  return ffi::Error::Success();
+}
+
+// mok_moe_bwd_fp8's products: dy and dgu in e4m3 (1 x 128 blocks along H and 2I, as the GPU
+// quantizes them: dy as it gathers it, each dgu row once written) times the weights' e4m3
+// blocks as they are, promoted every 128 of K (Fp8Dot): dx's sum runs over dg's blocks, then
+// du's.
+struct Fp8Products {
+  const MoeDims& d;
+  const uint8_t *wg, *wu, *wd, *wsg, *wsu, *wsd;
+  const float *sg, *su, *sd, *ssg, *ssu, *ssd;
+  uint8_t *dyq, *dyq_shared, *dguq, *dguq_shared;
+  float *dyq_scale, *dyq_shared_scale, *dguq_scale, *dguq_shared_scale;
+  int64_t pitch, token_pitch;
+  std::vector<float> row;
+
+  Fp8Products(const MoeDims& dims, const MoeFp8Inputs& in, const MoeFp8Residuals& res,
+              const MoeBwdFp8Scratch& q, const bf16_bits* dy)
+      : d(dims),
+        wg(u8(in.w_gate)), wu(u8(in.w_up)), wd(u8(in.w_down)), wsg(u8(in.ws_gate)),
+        wsu(u8(in.ws_up)), wsd(u8(in.ws_down)), sg(f32(in.w_gate_scale)),
+        su(f32(in.w_up_scale)), sd(f32(in.w_down_scale)), ssg(f32(in.ws_gate_scale)),
+        ssu(f32(in.ws_up_scale)), ssd(f32(in.ws_down_scale)), dyq(u8(q.dyq)),
+        dyq_shared(u8(q.dyq_shared)), dguq(u8(q.dguq)), dguq_shared(u8(q.dguq_shared)),
+        dyq_scale(f32(q.dyq_scale)), dyq_shared_scale(f32(q.dyq_shared_scale)),
+        dguq_scale(f32(q.dguq_scale)), dguq_shared_scale(f32(q.dguq_shared_scale)),
+        pitch(Fp8ScalePitch(dims.R)), token_pitch(Fp8ScalePitch(dims.T)),
+        row(2 * std::max({dims.H, dims.I, dims.Is})) {
+    const int32_t* pos = res.pos.reinterpret_data<int32_t>();
+    const int32_t* rows = res.rows.reinterpret_data<int32_t>();
+    const int64_t H = d.H;
+    for (int64_t r = 0; r < d.R; ++r) {  // padding rows: zeros with scale 1
+      if (rows[r] >= 0) continue;
+      std::fill(dyq + r * H, dyq + (r + 1) * H, uint8_t{0});
+      for (int64_t b = 0; b < H / 128; ++b) dyq_scale[b * pitch + r] = 1.0f;
+    }
+    for (int64_t t = 0; t < d.T; ++t) {
+      for (int64_t h = 0; h < H; ++h) row[h] = Load(dy[t * H + h]);
+      for (int64_t j = 0; j < d.k; ++j) {
+        const int64_t p = pos[t * d.k + j];
+        if (p >= 0) QuantizeRow(H, row.data(), dyq + p * H, dyq_scale + p, pitch);
+      }
+      if (d.Is > 0) QuantizeRow(H, row.data(), dyq_shared + t * H, dyq_shared_scale + t, token_pitch);
+    }
+  }
+  static uint8_t* u8(ffi::AnyBuffer b) { return b.reinterpret_data<uint8_t>(); }
+  static float* f32(ffi::AnyBuffer b) { return b.reinterpret_data<float>(); }
+
+  float Dh(bool shared, int64_t e, int64_t r, int64_t i, const bf16_bits*) const {
+    const int64_t I = shared ? d.Is : d.I, hb = d.H / 128;
+    if (shared)
+      return Fp8Dot(0.0f, d.H, dyq_shared + r * d.H, dyq_shared_scale + r, token_pitch,
+                    wsd + i * d.H, ssd + i / 128 * hb, 1);
+    return Fp8Dot(0.0f, d.H, dyq + r * d.H, dyq_scale + r, pitch, wd + (e * I + i) * d.H,
+                  sd + (e * (I / 128) + i / 128) * hb, 1);
+  }
+  void Dgu(bool shared, int64_t r, const bf16_bits* dgu_row) {
+    const int64_t n = 2 * (shared ? d.Is : d.I);
+    for (int64_t c = 0; c < n; ++c) row[c] = Load(dgu_row[c]);
+    if (shared) QuantizeRow(n, row.data(), dguq_shared + r * n, dguq_shared_scale + r, token_pitch);
+    else QuantizeRow(n, row.data(), dguq + r * n, dguq_scale + r, pitch);
+  }
+  float Dx(bool shared, int64_t e, int64_t r, int64_t h, const bf16_bits*) const {
+    const int64_t I = shared ? d.Is : d.I, ib = I / 128;
+    const uint8_t* a = (shared ? dguq_shared : dguq) + r * 2 * I;
+    const float* a_scale = (shared ? dguq_shared_scale : dguq_scale) + r;
+    const int64_t a_pitch = shared ? token_pitch : pitch;
+    const int64_t w_at = shared ? h * I : (e * d.H + h) * I;
+    const int64_t s_at = shared ? h / 128 * ib : (e * (d.H / 128) + h / 128) * ib;
+    float dx = Fp8Dot(0.0f, I, a, a_scale, a_pitch, (shared ? wsg : wg) + w_at,
+                      (shared ? ssg : sg) + s_at, 1);
+    return Fp8Dot(dx, I, a + I, a_scale + ib * a_pitch, a_pitch, (shared ? wsu : wu) + w_at,
+                  (shared ? ssu : su) + s_at, 1);
+  }
+};
+
+using Buf = ffi::AnyBuffer;
+using Out = ffi::Result<ffi::AnyBuffer>;
+
+ffi::Error MoeBwdFp8(Buf dy, Buf x, Buf experts, Buf weights, Buf w_gate, Buf w_gate_scale,
+                     Buf w_up, Buf w_up_scale, Buf w_down, Buf w_down_scale, Buf ws_gate,
+                     Buf ws_gate_scale, Buf ws_up, Buf ws_up_scale, Buf ws_down,
+                     Buf ws_down_scale, Buf pos, Buf offsets, Buf rows, Buf gu, Buf gu_shared,
+                     Out dx, Out dweights, Out dw_gate, Out dw_up, Out dw_down, Out dws_gate,
+                     Out dws_up, Out dws_down, Out xs_rows, Out dy_routed, Out dgu,
+                     Out dgu_shared, Out h, Out h_shared, Out dx_shared, Out dw_parts,
+                     Out queue, Out dyq, Out dyq_scale, Out dyq_shared, Out dyq_shared_scale,
+                     Out dguq, Out dguq_scale, Out dguq_shared, Out dguq_shared_scale,
+                     int64_t block_m, int64_t ranks) {
+  MoeFp8Inputs in{x,      experts,      weights,     w_gate,  w_gate_scale,
+                  w_up,   w_up_scale,   w_down,      w_down_scale, ws_gate,
+                  ws_gate_scale, ws_up, ws_up_scale, ws_down, ws_down_scale};
+  MoeFp8Residuals res{pos, offsets, rows, gu, gu_shared};
+  MoeBwdResults out{*dx,       *dweights, *dw_gate, *dw_up,  *dw_down,   *dws_gate,
+                    *dws_up,   *dws_down, *xs_rows, *dy_routed, *dgu, *dgu_shared,
+                    *h,        *h_shared, *dx_shared, *dw_parts, *queue};
+  MoeBwdFp8Scratch q{*dyq,  *dyq_scale,  *dyq_shared,  *dyq_shared_scale,
+                     *dguq, *dguq_scale, *dguq_shared, *dguq_shared_scale};
+  auto dims = CheckBwdFp8Call(Platform::kCpu, dy, in, res, out, q, block_m, ranks);
+  if (dims.has_error()) return dims.error();
+  // Backward reads x, weights, the layout and gu of these (never xs: it reads x).
+  const MoeInputs bf16_in{x, experts, weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down};
+  const MoeResiduals bf16_res{pos, offsets, rows, gu, gu_shared, gu};
+  if (auto err = CheckLayout(*dims, experts.reinterpret_data<int32_t>(), bf16_res);
+      err.failure())
+    return err;
+  Fp8Products prod(*dims, in, res, q, dy.reinterpret_data<bf16_bits>());
+  Backward<bf16_bits, bf16_bits>(*dims, dy, bf16_in, bf16_res, out, prod);
   return ffi::Error::Success();
 }
 
@@ -266,3 +392,5 @@ ffi::Error MoeBwd(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer experts,
 }  // namespace mok::cpu
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MokMoeBwdCpu, mok::cpu::MoeBwd, mok::BindMoeBwd(xla::ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MokMoeBwdFp8Cpu, mok::cpu::MoeBwdFp8,
+                              mok::BindMoeBwdFp8(xla::ffi::Ffi::Bind()));

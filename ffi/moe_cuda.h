@@ -7,6 +7,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(MokMoeFwdCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MokMoeBwdCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MokMoeCombineCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MokMoeFwdFp8Cuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MokMoeBwdFp8Cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MokQuantizeWeightCuda);
 // The NVLink transport of expert parallelism (ep_transport_cuda.cc): CUDA only.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MokEpDispatchCuda);

@@ -132,23 +132,12 @@ ffi::Error MoeFwd(ffi::AnyBuffer x, ffi::AnyBuffer experts, ffi::AnyBuffer weigh
   return ffi::Error::Success();
 }
 
-// out[n] = sum over the 128-blocks kb of K of (sum_k a[k] b[n, k] in f32, k ascending) times
-// a's and b's block scales, added in f32 (fmaf), as the FP8 kernels promote their tensor-core
-// sums: a (K) e4m3 with scales a_scale[kb * a_pitch]; b (N, K) e4m3 (a weight transposed) with
-// scales b_scale[kb * N / 128 + n / 128].
+// out[n] = Fp8Dot of a (K) with row n of b (N, K), a weight transposed, whose scales are
+// b_scale[kb * N / 128 + n / 128] (the weight's as it is).
 void Fp8Product(int64_t K, int64_t N, const uint8_t* a, const float* a_scale, int64_t a_pitch,
                 const uint8_t* b, const float* b_scale, float* out) {
-  const int64_t n_blocks = N / 128;
-  for (int64_t n = 0; n < N; ++n) {
-    float acc = 0.0f;
-    for (int64_t kb = 0; kb < K / 128; ++kb) {
-      float part = 0.0f;
-      for (int64_t k = kb * 128; k < (kb + 1) * 128; ++k)
-        part += FromE4m3(a[k]) * FromE4m3(b[n * K + k]);
-      acc = std::fmaf(part, a_scale[kb * a_pitch] * b_scale[kb * n_blocks + n / 128], acc);
-    }
-    out[n] = acc;
-  }
+  for (int64_t n = 0; n < N; ++n)
+    out[n] = Fp8Dot(0.0f, K, a, a_scale, a_pitch, b + n * K, b_scale + n / 128, N / 128);
 }
 
 // The weights of one FP8 MLP: e4m3 transposed, (I, H), (I, H), (H, I), with their block scales.
@@ -157,14 +146,19 @@ struct Fp8Weights {
   const float *gate_scale, *up_scale, *down_scale;
 };
 
-// One quantized row (xq_row with scales at xq_scale, pitch apart) through an FP8 MLP: hq_row
-// and its scales, y_row = hq @ w_down rounded to bf16.
+// One quantized row (xq_row with scales at xq_scale, pitch apart) through an FP8 MLP: gu_row
+// (unless null) [g | u] rounded to bf16, hq_row and its scales, y_row = hq @ w_down rounded to
+// bf16.
 void Fp8Mlp(int64_t H, int64_t I, const uint8_t* xq_row, const float* xq_scale,
-            int64_t xq_pitch, const Fp8Weights& w, uint8_t* hq_row, float* hq_scale,
-            int64_t hq_pitch, bf16_bits* y_row, std::vector<float>& g, std::vector<float>& u,
-            std::vector<float>& acc) {
+            int64_t xq_pitch, const Fp8Weights& w, bf16_bits* gu_row, uint8_t* hq_row,
+            float* hq_scale, int64_t hq_pitch, bf16_bits* y_row, std::vector<float>& g,
+            std::vector<float>& u, std::vector<float>& acc) {
   Fp8Product(H, I, xq_row, xq_scale, xq_pitch, w.gate, w.gate_scale, g.data());
   Fp8Product(H, I, xq_row, xq_scale, xq_pitch, w.up, w.up_scale, u.data());
+  for (int64_t i = 0; i < I && gu_row; ++i) {
+    gu_row[i] = Store<bf16_bits>(g[i]);
+    gu_row[I + i] = Store<bf16_bits>(u[i]);
+  }
   for (int64_t i = 0; i < I; ++i) g[i] = Silu(g[i]) * u[i];
   QuantizeRow(I, g.data(), hq_row, hq_scale, hq_pitch);
   Fp8Product(I, H, hq_row, hq_scale, hq_pitch, w.down, w.down_scale, acc.data());
@@ -194,6 +188,9 @@ void ForwardFp8(const MoeDims& d, const MoeFp8Inputs& in, const MoeFwdFp8Results
   uint8_t *xq = u8(out.xq), *hq = u8(out.hq);
   float *xq_scale = f32(out.xq_scale), *hq_scale = f32(out.hq_scale);
   bf16_bits* y_routed = out.y_routed.reinterpret_data<bf16_bits>();
+  // gu kept (not recompute): each routed row's [g | u], zeros for padding rows.
+  bf16_bits* gu = d.recompute ? nullptr : out.gu.reinterpret_data<bf16_bits>();
+  bf16_bits* gu_shared = d.recompute ? nullptr : out.gu_shared.reinterpret_data<bf16_bits>();
   std::vector<float> xrow(H), g(std::max(I, Is)), u(std::max(I, Is)), acc(H);
   for (int64_t r = 0; r < d.R; ++r) {
     uint8_t *xq_row = xq + r * H, *hq_row = hq + r * I;
@@ -202,6 +199,7 @@ void ForwardFp8(const MoeDims& d, const MoeFp8Inputs& in, const MoeFwdFp8Results
       ZeroRow(H, xq_row, xq_scale + r, pitch);
       ZeroRow(I, hq_row, hq_scale + r, pitch);
       std::fill(yr_row, yr_row + H, Store<bf16_bits>(0.0f));
+      if (gu) std::fill(gu + r * 2 * I, gu + (r + 1) * 2 * I, Store<bf16_bits>(0.0f));
       continue;
     }
     const int64_t t = rows[r] / k, e = experts[rows[r]];
@@ -211,7 +209,8 @@ void ForwardFp8(const MoeDims& d, const MoeFp8Inputs& in, const MoeFwdFp8Results
                        u8(in.w_down) + e * H * I, f32(in.w_gate_scale) + e * H * I / 16384,
                        f32(in.w_up_scale) + e * H * I / 16384,
                        f32(in.w_down_scale) + e * H * I / 16384};
-    Fp8Mlp(H, I, xq_row, xq_scale + r, pitch, w, hq_row, hq_scale + r, pitch, yr_row, g, u, acc);
+    Fp8Mlp(H, I, xq_row, xq_scale + r, pitch, w, gu ? gu + r * 2 * I : nullptr, hq_row,
+           hq_scale + r, pitch, yr_row, g, u, acc);
   }
   bf16_bits* y_shared = out.y_shared.reinterpret_data<bf16_bits>();
   const Fp8Weights ws{u8(in.ws_gate), u8(in.ws_up), u8(in.ws_down), f32(in.ws_gate_scale),
@@ -221,7 +220,8 @@ void ForwardFp8(const MoeDims& d, const MoeFp8Inputs& in, const MoeFwdFp8Results
     uint8_t* xq_row = u8(out.xq_shared) + t * H;
     float* xs_scale = f32(out.xq_shared_scale) + t;
     QuantizeRow(H, xrow.data(), xq_row, xs_scale, shared_pitch);
-    Fp8Mlp(H, Is, xq_row, xs_scale, shared_pitch, ws, u8(out.hq_shared) + t * Is,
+    Fp8Mlp(H, Is, xq_row, xs_scale, shared_pitch, ws,
+           gu_shared ? gu_shared + t * 2 * Is : nullptr, u8(out.hq_shared) + t * Is,
            f32(out.hq_shared_scale) + t, shared_pitch, y_shared + t * H, g, u, acc);
   }
   CombineRows<bf16_bits, Y>(T, k, H, y_routed, pos, weights, Is > 0 ? y_shared : nullptr,
@@ -236,7 +236,8 @@ ffi::Error MoeFwdFp8(ffi::AnyBuffer x, ffi::AnyBuffer experts, ffi::AnyBuffer we
                      ffi::AnyBuffer ws_up_scale, ffi::AnyBuffer ws_down,
                      ffi::AnyBuffer ws_down_scale, ffi::Result<ffi::AnyBuffer> y,
                      ffi::Result<ffi::AnyBuffer> pos, ffi::Result<ffi::AnyBuffer> offsets,
-                     ffi::Result<ffi::AnyBuffer> rows, ffi::Result<ffi::AnyBuffer> xq,
+                     ffi::Result<ffi::AnyBuffer> rows, ffi::Result<ffi::AnyBuffer> gu,
+                     ffi::Result<ffi::AnyBuffer> gu_shared, ffi::Result<ffi::AnyBuffer> xq,
                      ffi::Result<ffi::AnyBuffer> xq_scale, ffi::Result<ffi::AnyBuffer> hq,
                      ffi::Result<ffi::AnyBuffer> hq_scale, ffi::Result<ffi::AnyBuffer> y_routed,
                      ffi::Result<ffi::AnyBuffer> xq_shared,
@@ -248,7 +249,7 @@ ffi::Error MoeFwdFp8(ffi::AnyBuffer x, ffi::AnyBuffer experts, ffi::AnyBuffer we
   MoeFp8Inputs in{x,      experts,      weights,     w_gate,  w_gate_scale,
                   w_up,   w_up_scale,   w_down,      w_down_scale, ws_gate,
                   ws_gate_scale, ws_up, ws_up_scale, ws_down, ws_down_scale};
-  MoeFwdFp8Results out{*y,         *pos,       *offsets,         *rows,      *xq,
+  MoeFwdFp8Results out{*y,         *pos,       *offsets,         *rows,      *gu, *gu_shared, *xq,
                        *xq_scale,  *hq,        *hq_scale,        *y_routed,  *xq_shared,
                        *xq_shared_scale, *hq_shared, *hq_shared_scale, *y_shared, *layout};
   auto dims = CheckFp8Call(Platform::kCpu, in, out, block_m, ranks);

@@ -18,6 +18,7 @@ ffi::Error MoeFwdFp8Cuda(
     ffi::AnyBuffer ws_up_scale, ffi::AnyBuffer ws_down, ffi::AnyBuffer ws_down_scale,
     ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> pos,
     ffi::Result<ffi::AnyBuffer> offsets, ffi::Result<ffi::AnyBuffer> rows,
+    ffi::Result<ffi::AnyBuffer> gu, ffi::Result<ffi::AnyBuffer> gu_shared,
     ffi::Result<ffi::AnyBuffer> xq, ffi::Result<ffi::AnyBuffer> xq_scale,
     ffi::Result<ffi::AnyBuffer> hq, ffi::Result<ffi::AnyBuffer> hq_scale,
     ffi::Result<ffi::AnyBuffer> y_routed, ffi::Result<ffi::AnyBuffer> xq_shared,
@@ -27,7 +28,7 @@ ffi::Error MoeFwdFp8Cuda(
   MoeFp8Inputs in{x,      experts,      weights,     w_gate,  w_gate_scale,
                   w_up,   w_up_scale,   w_down,      w_down_scale, ws_gate,
                   ws_gate_scale, ws_up, ws_up_scale, ws_down, ws_down_scale};
-  MoeFwdFp8Results out{*y,         *pos,       *offsets,         *rows,      *xq,
+  MoeFwdFp8Results out{*y,         *pos,       *offsets,         *rows,      *gu, *gu_shared, *xq,
                        *xq_scale,  *hq,        *hq_scale,        *y_routed,  *xq_shared,
                        *xq_shared_scale, *hq_shared, *hq_shared_scale, *y_shared, *layout};
   auto dims = CheckFp8Call(Platform::kCuda, in, out, block_m, ranks);
@@ -55,6 +56,8 @@ ffi::Error MoeFwdFp8Cuda(
   a.xq_shared = out.xq_shared.untyped_data(), a.xq_shared_scale = f32(out.xq_shared_scale);
   a.hq_shared = out.hq_shared.untyped_data(), a.hq_shared_scale = f32(out.hq_shared_scale);
   a.y_shared = out.y_shared.untyped_data();
+  a.gu = dims->recompute ? nullptr : out.gu.untyped_data();
+  a.gu_shared = dims->recompute || dims->Is == 0 ? nullptr : out.gu_shared.untyped_data();
   a.layout = out.layout.reinterpret_data<int32_t>();
   if (const char* err = cuda::LaunchMoeFwdFp8(a, stream))
     return ffi::Error::Internal(std::string("mok_moe_fwd_fp8: ") + err);

@@ -9,6 +9,7 @@ number of ranks. Dropless unless Config.ep_capacity bounds the rows a rank sends
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -369,10 +370,11 @@ _moe_ffi_vjp.defvjp(_moe_ffi_fwd, _moe_ffi_bwd)
 
 
 # The FP8 layer on the FFI targets (Config(precision="fp8")): mok_moe_fwd_fp8's forward, whose
-# products are block-scaled e4m3 as reference.quantized_dot specifies them, and the XLA
-# reference's backward (its FP8 data gradients and bf16 weight gradients, as XlaPieces computes
-# them, after recomputing its forward): the gradients of the reference's semantics, at the cost
-# of the reference's forward and backward.
+# products are block-scaled e4m3 as reference.quantized_dot specifies them, and
+# mok_moe_bwd_fp8's backward (its data gradients' products e4m3, its weight gradients bf16
+# GEMMs, w.r.t. the weights quantized: straight through to the masters). The forward keeps gu
+# and the weights' e4m3 blocks for the backward; with Config.recompute it keeps neither, and
+# the backward runs the forward again.
 
 
 def _moe_fp8(x, experts, weights, w_gate, w_up, w_down, shared, *, config):
@@ -382,34 +384,49 @@ def _moe_fp8(x, experts, weights, w_gate, w_up, w_down, shared, *, config):
   return _moe_fp8_vjp(config, *reference.vary(args, axes))
 
 
-def _fp8_forward(config, x, experts, weights, w_gate, w_up, w_down, shared):
+def _fp8_forward(config, x, experts, weights, w_gate, w_up, w_down, shared, keep_gu=False):
+  """y, and the Fp8Weights and Fp8Residuals that the backward takes (with keep_gu)."""
+  blocks = tuple(map(ops.fp8_weight, (w_gate, w_up, w_down)))
   shared_blocks = None if shared is None else tuple(map(ops.fp8_weight, shared))
-  y, _ = ops.moe_fwd_fp8(x, experts, weights, *map(ops.fp8_weight, (w_gate, w_up, w_down)),
-                         shared_blocks, out_dtype=x.dtype, block_m=config.block_m)
-  return reference.vary(y, reference.varying_axes(x))
+  y, buffers = ops.moe_fwd_fp8(x, experts, weights, *blocks, shared_blocks, out_dtype=x.dtype,
+                               block_m=config.block_m, keep_gu=keep_gu)
+  residuals = ops.Fp8Residuals(*buffers[:len(ops.Fp8Residuals._fields)])
+  return reference.vary(y, reference.varying_axes(x)), (blocks, shared_blocks, residuals)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _moe_fp8_vjp(config, x, experts, weights, w_gate, w_up, w_down, shared):
-  return _fp8_forward(config, x, experts, weights, w_gate, w_up, w_down, shared)
+  return _fp8_forward(config, x, experts, weights, w_gate, w_up, w_down, shared)[0]
 
 
 def _moe_fp8_fwd(config, x, experts, weights, w_gate, w_up, w_down, shared):
   args = (x, experts, weights, w_gate, w_up, w_down, shared)
-  return _fp8_forward(config, *args), args
+  if config.recompute:
+    return _fp8_forward(config, *args)[0], (args, None)
+  y, kept = _fp8_forward(config, *args, keep_gu=True)
+  return y, (args, kept)
+
+
+def _weight_grad(w, g):
+  """The cotangent of a weight argument: g w.r.t. an array, or w.r.t. a QuantizedWeight's
+  master (its blocks get zeros, as reference.quantized_dot gives them)."""
+  if isinstance(w, quantize.QuantizedWeight):
+    return dataclasses.replace(jax.tree.map(jnp.zeros_like, w), master=g.astype(w.dtype))
+  return g.astype(w.dtype)
 
 
 def _moe_fp8_bwd(config, saved, dy):
-  x, experts, weights, w_gate, w_up, w_down, shared = saved
-  pieces = expert_parallel.XlaPieces(precision=config.precision)
-
-  def reference_layer(x, weights, w_gate, w_up, w_down, shared):
-    return expert_parallel.routed_moe(x, experts, weights, w_gate, w_up, w_down, shared,
-                                      pieces=pieces, axis_name=None, config=config)
-
-  _, pull = jax.vjp(reference_layer, x, weights, w_gate, w_up, w_down, shared)
-  dx, dweights, d_gate, d_up, d_down, d_shared = pull(dy)
-  return dx, None, dweights, d_gate, d_up, d_down, d_shared
+  args, kept = saved
+  x, experts, weights, w_gate, w_up, w_down, shared = args
+  if kept is None:
+    kept = _fp8_forward(config, *args, keep_gu=True)[1]
+  blocks, shared_blocks, residuals = kept
+  grads = ops.moe_bwd_fp8(dy.astype(x.dtype), x, experts, weights, *blocks, shared_blocks,
+                          residuals, block_m=config.block_m)
+  grads = reference.vary(grads, reference.varying_axes(x))
+  d_shared = None if shared is None else tuple(map(_weight_grad, shared, grads.shared))
+  return (grads.x, None, grads.weights, _weight_grad(w_gate, grads.w_gate),
+          _weight_grad(w_up, grads.w_up), _weight_grad(w_down, grads.w_down), d_shared)
 
 
 _moe_fp8_vjp.defvjp(_moe_fp8_fwd, _moe_fp8_bwd)

@@ -8,6 +8,7 @@ and "CUDA", the kernels):
   mok_moe_combine  the forward's combine on its own: the home rank's sum of its tokens' routes
                    under expert parallelism (mok_jax.expert_parallel)
   mok_moe_fwd_fp8  the forward with block-scaled e4m3 products (Config(precision="fp8"))
+  mok_moe_bwd_fp8  its gradients, the data gradients' products block-scaled e4m3
   mok_quantize_weight  an expert weight in 128 x 128 blocks of e4m3 (quantize_experts)
 
 The routed buffers are expert-sorted: expert e's routes occupy rows [offsets[e], offsets[e] +
@@ -112,11 +113,13 @@ FWD_FP8_OPERANDS = ("x", "experts", "weights", "w_gate", "w_gate_scale", "w_up",
 class Fp8Buffers(NamedTuple):
   """What mok_moe_fwd_fp8 writes beside y (R = routed_rows(T * k, E, block_m); the scales of an
   (M, K) activation are (K / 128, fp8_scale_pitch(M)) f32: block b of row r at [b, r]). The
-  layer keeps none of them (its backward is the XLA reference's); the tests read them."""
+  layer keeps the layout and gu for mok_moe_bwd_fp8 (`Fp8Residuals`); the rest is scratch."""
 
   pos: jax.Array  # (T, k) int32, as Residuals.pos
   offsets: jax.Array  # (E + 1,) int32
   rows: jax.Array  # (R,) int32
+  gu: jax.Array  # (R, 2I) bf16 [g | u] when kept (keep_gu), else (0, 2I)
+  gu_shared: jax.Array  # (T, 2Is) bf16 when kept, else (0, 2Is)
   xq: jax.Array  # (R, H) e4m3: each routed row's token row in 1 x 128 blocks, padding zeros
   xq_scale: jax.Array  # (H / 128, pitch(R)) f32; padding rows 1
   hq: jax.Array  # (R, I) e4m3: silu(g) * u of each routed row
@@ -130,6 +133,23 @@ class Fp8Buffers(NamedTuple):
 
 
 FWD_FP8_RESULTS = ("y", *Fp8Buffers._fields, "layout")
+
+
+class Fp8Residuals(NamedTuple):
+  """What mok_moe_bwd_fp8 takes of the FP8 forward (its Fp8Buffers with gu kept)."""
+
+  pos: jax.Array
+  offsets: jax.Array
+  rows: jax.Array
+  gu: jax.Array  # (R, 2I) bf16
+  gu_shared: jax.Array  # (T, 2Is) bf16
+
+
+BWD_FP8_OPERANDS = ("dy", *FWD_FP8_OPERANDS, *Fp8Residuals._fields)
+BWD_FP8_RESULTS = (*BWD_RESULTS, "dyq", "dyq_scale", "dyq_shared", "dyq_shared_scale", "dguq",
+                   "dguq_scale", "dguq_shared", "dguq_shared_scale")
+# mok_moe_bwd_fp8 writes these results over these operands (its input_output_aliases).
+BWD_FP8_ALIASES = (("gu", "dgu"), ("gu_shared", "dgu_shared"))
 
 
 def routed_rows(num_routes: int, num_experts: int, block_m: int) -> int:
@@ -498,8 +518,9 @@ def fp8_scale_pitch(rows: int) -> int:
   return _mok_cpu.fp8_scale_pitch(rows)
 
 
-def fwd_fp8_results(dims: MoeDims, out_dtype, block_m) -> tuple:
-  """The results mok_moe_fwd_fp8 declares, in FWD_FP8_RESULTS order."""
+def fwd_fp8_results(dims: MoeDims, out_dtype, block_m, keep_gu=False) -> tuple:
+  """The results mok_moe_fwd_fp8 declares, in FWD_FP8_RESULTS order (gu with rows if
+  keep_gu)."""
   T, H, I, E, k, Is = dims
   R = routed_rows(T * k, E, block_m)
   Ts = T if Is else 0  # rows of the shared expert's token buffers
@@ -510,6 +531,8 @@ def fwd_fp8_results(dims: MoeDims, out_dtype, block_m) -> tuple:
       pos=sds((T, k), jnp.int32),
       offsets=sds((E + 1,), jnp.int32),
       rows=sds((R,), jnp.int32),
+      gu=sds((R if keep_gu else 0, 2 * I), jnp.bfloat16),
+      gu_shared=sds((T if keep_gu else 0, 2 * Is), jnp.bfloat16),
       xq=sds((R, H), e4m3),
       xq_scale=sds((H // b, fp8_scale_pitch(R)), f32),
       hq=sds((R, I), e4m3),
@@ -525,25 +548,27 @@ def fwd_fp8_results(dims: MoeDims, out_dtype, block_m) -> tuple:
 
 
 class Fp8Weight(NamedTuple):
-  """A weight (..., K, N) as mok_moe_fwd_fp8 reads it: its 128 x 128 quantization's e4m3 data
-  K-major (e4m3 wgmma reads both operands K-major) and its block scales as quantize.Blocks has
-  them."""
+  """A weight (..., K, N) as the FP8 targets read it: its 128 x 128 quantization's e4m3 data
+  as it is (mok_moe_bwd_fp8: the data gradients multiply by W^T, whose K-major form W is) and
+  K-major (mok_moe_fwd_fp8: e4m3 wgmma reads both operands K-major), and its block scales as
+  quantize.Blocks has them."""
 
+  data: jax.Array  # (..., K, N) e4m3
   k_major: jax.Array  # (..., N, K) e4m3
   scale: jax.Array  # (..., K / 128, N / 128) f32
 
 
 def fp8_weight(w) -> Fp8Weight:
-  """A weight as mok_moe_fwd_fp8 reads it: from quantize_experts' QuantizedWeight (its K-major
+  """A weight as the FP8 targets read it: from quantize_experts' QuantizedWeight (its K-major
   copy, none made here), from a weight's 128 x 128 quantize.Blocks (made K-major here: a copy
   of the e4m3 bytes), or from an array (quantized here by `quantize_weight`, the bits of
   quantize_experts, which writes the K-major copy in the same pass)."""
   if isinstance(w, quantize.QuantizedWeight):
-    return Fp8Weight(w.k_major, w.blocks.scale)
+    return Fp8Weight(w.blocks.data, w.k_major, w.blocks.scale)
   if isinstance(w, quantize.Blocks):
-    return Fp8Weight(jnp.swapaxes(w.data, -1, -2), w.scale)
+    return Fp8Weight(w.data, jnp.swapaxes(w.data, -1, -2), w.scale)
   blocks, k_major = quantize_weight(w)
-  return Fp8Weight(k_major, blocks.scale)
+  return Fp8Weight(blocks.data, k_major, blocks.scale)
 
 
 def quantize_weight(w) -> tuple[quantize.Blocks, jax.Array]:
@@ -575,21 +600,68 @@ def quantize_weight(w) -> tuple[quantize.Blocks, jax.Array]:
   return quantize.Blocks(data, scale), k_major
 
 
-def _check_blocks(name, q, shape):
-  """q is the 128 x 128 quantization (Fp8Weight) of a weight of `shape`."""
+def _check_blocks(name, q, shape, target="moe_fwd_fp8"):
+  """q is the 128 x 128 quantization (Fp8Weight) of a weight of `shape`: the K-major data for
+  the forward's target, the data as it is for the backward's."""
   want = quantize.scale_shape(shape, (FP8_BLOCK, FP8_BLOCK))
-  data_shape = (*shape[:-2], shape[-1], shape[-2])
-  if (not isinstance(q, Fp8Weight) or _shape(q.k_major) != data_shape or
-      jnp.dtype(q.k_major.dtype) != quantize.E4M3 or _shape(q.scale) != want or
-      jnp.dtype(q.scale.dtype) != jnp.float32):
-    got = (f"{q.k_major.dtype} {_shape(q.k_major)} and {q.scale.dtype} {_shape(q.scale)}"
-           if isinstance(q, Fp8Weight) else type(q).__name__)
-    raise ValueError(f"moe_fwd_fp8: {name} must be an Fp8Weight of e4m3 {data_shape} and f32 "
+  forward = target == "moe_fwd_fp8"
+  data_shape = (*shape[:-2], shape[-1], shape[-2]) if forward else tuple(shape)
+  data = (q.k_major if forward else q.data) if isinstance(q, Fp8Weight) else None
+  if (data is None or _shape(data) != data_shape or jnp.dtype(data.dtype) != quantize.E4M3 or
+      _shape(q.scale) != want or jnp.dtype(q.scale.dtype) != jnp.float32):
+    got = (f"{data.dtype} {_shape(data)} and {q.scale.dtype} {_shape(q.scale)}"
+           if data is not None else type(q).__name__)
+    raise ValueError(f"{target}: {name} must be an Fp8Weight of e4m3 {data_shape} and f32 "
                      f"{want}, got {got}")
 
 
+def _check_fp8_call(target, x, experts, weights, w_gate, w_up, w_down, shared) -> MoeDims:
+  """The operands of an FP8 target (moe_fwd_fp8, moe_bwd_fp8) and the sizes of the call."""
+  if np.ndim(x) != 2 or jnp.dtype(x.dtype) != CUDA_DTYPE:
+    raise ValueError(f"{target}: x must be (T, H) {CUDA_DTYPE}, got {x.dtype} {_shape(x)}")
+  T, H = _shape(x)
+  if np.ndim(experts) != 2 or _shape(experts)[0] != T or experts.dtype != jnp.int32:
+    raise ValueError(f"{target}: experts must be ({T}, k) int32, got {experts.dtype} "
+                     f"{_shape(experts)}")
+  k = _shape(experts)[1]
+  if _shape(weights) != (T, k) or weights.dtype != jnp.float32:
+    raise ValueError(f"{target}: weights must be ({T}, {k}) float32, got {weights.dtype} "
+                     f"{_shape(weights)}")
+  if not isinstance(w_gate, Fp8Weight) or np.ndim(w_gate.k_major) != 3:
+    raise ValueError(f"{target}: w_gate must be the Fp8Weight of an (E, H, I) weight")
+  E, I, _ = _shape(w_gate.k_major)
+  _check_blocks("w_gate", w_gate, (E, H, I), target)
+  _check_blocks("w_up", w_up, (E, H, I), target)
+  _check_blocks("w_down", w_down, (E, I, H), target)
+  Is = 0
+  if shared is not None:
+    ws_gate, ws_up, ws_down = shared
+    if not isinstance(ws_gate, Fp8Weight) or np.ndim(ws_gate.k_major) != 2:
+      raise ValueError(f"{target}: shared must be the Fp8Weights of (ws_gate (H, Is), "
+                       "ws_up (H, Is), ws_down (Is, H))")
+    Is = _shape(ws_gate.k_major)[0]
+    _check_blocks("ws_gate", ws_gate, (H, Is), target)
+    _check_blocks("ws_up", ws_up, (H, Is), target)
+    _check_blocks("ws_down", ws_down, (Is, H), target)
+  dims = MoeDims(T, H, I, E, k, Is)
+  if problem := fp8_unsupported_reason(x.dtype, dims, Config(precision="fp8")):
+    raise ValueError(f"{target}: {problem}")
+  return dims
+
+
+def _fp8_shared_or_empty(shared, H):
+  """The shared expert's Fp8Weights, or those of (H, 0), (H, 0), (0, H) weights: Is = 0."""
+  if shared is not None:
+    return tuple(shared)
+  e4m3, f32, b = quantize.E4M3, jnp.float32, FP8_BLOCK
+  empty = Fp8Weight(jnp.zeros((H, 0), e4m3), jnp.zeros((0, H), e4m3),
+                    jnp.zeros((H // b, 0), f32))
+  return empty, empty, Fp8Weight(jnp.zeros((0, H), e4m3), jnp.zeros((H, 0), e4m3),
+                                 jnp.zeros((0, H // b), f32))
+
+
 def moe_fwd_fp8(x, experts, weights, w_gate, w_up, w_down, shared=None, *, out_dtype, block_m,
-                ranks=1):
+                ranks=1, keep_gu=False):
   """Target mok_moe_fwd_fp8: the layer forward with block-scaled e4m3 products.
 
   Inputs:
@@ -598,48 +670,75 @@ def moe_fwd_fp8(x, experts, weights, w_gate, w_up, w_down, shared=None, *, out_d
     shared None or the Fp8Weights of (ws_gate (H, Is), ws_up (H, Is), ws_down (Is, H)). H, I
     and Is multiples of 128.
   Outputs:
-    y (T, H) out_dtype (bf16, or f32 for a partial sum), and `Fp8Buffers`.
+    y (T, H) out_dtype (bf16, or f32 for a partial sum), and `Fp8Buffers` (gu and gu_shared
+    with rows if keep_gu: what moe_bwd_fp8 takes).
   """
-  if np.ndim(x) != 2 or jnp.dtype(x.dtype) != CUDA_DTYPE:
-    raise ValueError(f"moe_fwd_fp8: x must be (T, H) {CUDA_DTYPE}, got {x.dtype} {_shape(x)}")
-  T, H = _shape(x)
-  if np.ndim(experts) != 2 or _shape(experts)[0] != T or experts.dtype != jnp.int32:
-    raise ValueError(f"moe_fwd_fp8: experts must be ({T}, k) int32, got {experts.dtype} "
-                     f"{_shape(experts)}")
-  k = _shape(experts)[1]
-  if _shape(weights) != (T, k) or weights.dtype != jnp.float32:
-    raise ValueError(f"moe_fwd_fp8: weights must be ({T}, {k}) float32, got {weights.dtype} "
-                     f"{_shape(weights)}")
-  if not isinstance(w_gate, Fp8Weight) or np.ndim(w_gate.k_major) != 3:
-    raise ValueError("moe_fwd_fp8: w_gate must be the Fp8Weight of an (E, H, I) weight")
-  E, I, _ = _shape(w_gate.k_major)
-  _check_blocks("w_gate", w_gate, (E, H, I))
-  _check_blocks("w_up", w_up, (E, H, I))
-  _check_blocks("w_down", w_down, (E, I, H))
-  Is = 0
-  if shared is not None:
-    ws_gate, ws_up, ws_down = shared
-    if not isinstance(ws_gate, Fp8Weight) or np.ndim(ws_gate.k_major) != 2:
-      raise ValueError("moe_fwd_fp8: shared must be the Fp8Weights of (ws_gate (H, Is), "
-                       "ws_up (H, Is), ws_down (Is, H))")
-    Is = _shape(ws_gate.k_major)[0]
-    _check_blocks("ws_gate", ws_gate, (H, Is))
-    _check_blocks("ws_up", ws_up, (H, Is))
-    _check_blocks("ws_down", ws_down, (Is, H))
-  dims = MoeDims(T, H, I, E, k, Is)
-  if problem := fp8_unsupported_reason(x.dtype, dims, Config(precision="fp8")):
-    raise ValueError(f"moe_fwd_fp8: {problem}")
+  dims = _check_fp8_call("moe_fwd_fp8", x, experts, weights, w_gate, w_up, w_down, shared)
   out_dtype = jnp.dtype(out_dtype)
   if out_dtype not in (CUDA_DTYPE, jnp.dtype(jnp.float32)):
     raise ValueError(f"moe_fwd_fp8: out_dtype must be bfloat16 or float32, got {out_dtype}")
-  if shared is None:
-    empty = Fp8Weight(jnp.zeros((0, H), quantize.E4M3),
-                      jnp.zeros((H // FP8_BLOCK, 0), jnp.float32))
-    shared = (empty, empty, Fp8Weight(jnp.zeros((H, 0), quantize.E4M3),
-                                      jnp.zeros((0, H // FP8_BLOCK), jnp.float32)))
-  operands = [a for q in (w_gate, w_up, w_down, *shared) for a in q]
-  results = fwd_fp8_results(dims, out_dtype, block_m)
+  shared = _fp8_shared_or_empty(shared, dims.H)
+  operands = [a for q in (w_gate, w_up, w_down, *shared) for a in (q.k_major, q.scale)]
+  results = fwd_fp8_results(dims, out_dtype, block_m, keep_gu)
   call = jax.ffi.ffi_call("mok_moe_fwd_fp8", results, vmap_method="sequential")
   y, *buffers = call(x, experts, weights, *operands, block_m=np.int64(block_m),
                      ranks=_ranks(ranks))
   return y, Fp8Buffers(*buffers[:len(Fp8Buffers._fields)])
+
+
+def bwd_fp8_results(dims: MoeDims, block_m) -> tuple:
+  """The results mok_moe_bwd_fp8 declares, in BWD_FP8_RESULTS order: mok_moe_bwd's (bf16, no
+  recompute), then the e4m3 rows of dy and dgu with their scales."""
+  T, H, I, E, k, Is = dims
+  R = routed_rows(T * k, E, block_m)
+  Ts = T if Is else 0
+  b = FP8_BLOCK
+  sds, e4m3, f32 = jax.ShapeDtypeStruct, quantize.E4M3, jnp.float32
+  return (*bwd_results(dims, CUDA_DTYPE, block_m), *_in_order(BWD_FP8_RESULTS[len(BWD_RESULTS):], dict(
+      dyq=sds((R, H), e4m3),
+      dyq_scale=sds((H // b, fp8_scale_pitch(R)), f32),
+      dyq_shared=sds((Ts, H), e4m3),
+      dyq_shared_scale=sds((H // b, fp8_scale_pitch(Ts)), f32),
+      dguq=sds((R, 2 * I), e4m3),
+      dguq_scale=sds((2 * I // b, fp8_scale_pitch(R)), f32),
+      dguq_shared=sds((T, 2 * Is), e4m3),
+      dguq_shared_scale=sds((2 * Is // b, fp8_scale_pitch(T)), f32),
+  )))
+
+
+def moe_bwd_fp8(dy, x, experts, weights, w_gate, w_up, w_down, shared, residuals: Fp8Residuals,
+                *, block_m, ranks=1) -> Grads:
+  """Target mok_moe_bwd_fp8: the gradients of moe_fwd_fp8, the data gradients' products in
+  block-scaled e4m3 (dy and [dg | du] in 1 x 128 blocks along their reduction, the weights'
+  blocks as they are: Fp8Weight.data), the weight gradients bf16 GEMMs, as
+  reference.quantized_dot specifies them.
+
+  Inputs:
+    dy (T, H) bf16; the forward's inputs (its Fp8Weights); `Fp8Residuals` of a forward with the
+    same block_m and keep_gu.
+  Outputs:
+    `Grads`, all but weights (f32) in bf16: the weight gradients w.r.t. the weights the
+    Fp8Weights quantize.
+  """
+  dims = _check_fp8_call("moe_bwd_fp8", x, experts, weights, w_gate, w_up, w_down, shared)
+  T, H = dims.T, dims.H
+  if _shape(dy) != (T, H) or jnp.dtype(dy.dtype) != CUDA_DTYPE:
+    raise ValueError(f"moe_bwd_fp8: dy must be ({T}, {H}) {CUDA_DTYPE}, got {dy.dtype} "
+                     f"{_shape(dy)}")
+  want = fwd_fp8_results(dims, CUDA_DTYPE, block_m, keep_gu=True)[1:1 + len(Fp8Residuals._fields)]
+  residuals = Fp8Residuals(*residuals[:len(Fp8Residuals._fields)])
+  for name, spec, got in zip(Fp8Residuals._fields, want, residuals):
+    if _shape(got) != spec.shape or jnp.dtype(got.dtype) != spec.dtype:
+      raise ValueError(f"moe_bwd_fp8: residual {name} must be {spec.shape} {spec.dtype}, got "
+                       f"{_shape(got)} {got.dtype} (the forward's, with block_m={block_m} and "
+                       "keep_gu)")
+  shared_q = _fp8_shared_or_empty(shared, H)
+  operands = [a for q in (w_gate, w_up, w_down, *shared_q) for a in (q.data, q.scale)]
+  aliases = {BWD_FP8_OPERANDS.index(op): BWD_FP8_RESULTS.index(res)
+             for op, res in BWD_FP8_ALIASES if dims.Is > 0 or op != "gu_shared"}
+  call = jax.ffi.ffi_call("mok_moe_bwd_fp8", bwd_fp8_results(dims, block_m),
+                          vmap_method="sequential", input_output_aliases=aliases)
+  dx, dweights, dw_gate, dw_up, dw_down, *dshared = call(
+      dy, x, experts, weights, *operands, *residuals, block_m=np.int64(block_m),
+      ranks=_ranks(ranks))[:8]
+  return Grads(dx, dweights, dw_gate, dw_up, dw_down, None if shared is None else tuple(dshared))

@@ -375,13 +375,31 @@ def check_end_to_end(case, y, buffers, qs, shared, want, eta):
   assert mean <= allowed, f"y against the reference: mean difference {mean:.3g} > {allowed:.3g}"
 
 
-def assert_fp8_close(got, want, what):
-  """A gradient against the XLA backend's: every element within FP8_RTOL of the largest
-  magnitude, and the mean difference within FP8_MEAN_RTOL of the mean magnitude."""
-  got, want = f64(got), f64(want)
-  assert_close(got, want, FP8_RTOL, what)
-  mean = np.abs(got - want).mean()
-  assert mean <= FP8_MEAN_RTOL * np.abs(want).mean(), f"{what}: mean difference {mean:.3g}"
+# The FP8 backward (mok_moe_bwd_fp8) rounds where the reference's does not: dgu to bf16 before
+# it is quantized, each route's dx to bf16, dy quantized before the route's weight scales it,
+# dweights from <dy @ w_down^T, h> rather than <dy, y_routed>. Its gradients so differ from the
+# reference's by e4m3 flips (a value one e4m3 step, 2^-4 to 2^-3 of it, away), not by bits. A
+# gradient passes if it is about as close to the exact one (the bf16 layer's, products
+# unquantized) as the reference's is: its mean error within FP8_GRAD_SLACK of the reference's,
+# and its mean difference from the reference within FP8_GRAD_SHARE of that error (seen: 0.2 for
+# dx, 0.5 for dweights, 0.05 for the weight gradients, whose GEMMs are bf16 on the same rows).
+# A wrong scale, row or block moves its elements by their size, far past either bound.
+FP8_GRAD_SLACK = 1.1
+FP8_GRAD_SHARE = 0.75
+
+
+def check_fp8_grads(got, want, exact):
+  """FP8 gradients (dicts by name) against the reference's FP8 ones and the exact ones."""
+  for name in want:
+    g, w, e = f64(got[name]), f64(want[name]), f64(exact[name])
+    assert np.all(np.isfinite(g)), f"d{name}: not finite"
+    size = np.abs(e).mean()
+    err, ref_err = np.abs(g - e).mean() / size, np.abs(w - e).mean() / size
+    apart = np.abs(g - w).mean() / size
+    assert err <= FP8_GRAD_SLACK * ref_err, (
+        f"d{name}: mean error {err:.3g} of the exact gradient, the reference's {ref_err:.3g}")
+    assert apart <= FP8_GRAD_SHARE * ref_err, (
+        f"d{name}: mean difference {apart:.3g} from the reference, whose error is {ref_err:.3g}")
 
 
 # --- inputs whose FP8 products are exact ----------------------------------------------------

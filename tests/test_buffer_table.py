@@ -1,5 +1,5 @@
 """The targets' buffers are listed once, in mok_jax.ops (FWD_OPERANDS, FWD_RESULTS, BWD_OPERANDS,
-BWD_RESULTS, BWD_ALIASES) and, for the NVLink transport's, mok_jax.ep_transport (DISPATCH_*,
+BWD_RESULTS, BWD_ALIASES, and the FP8 targets' FWD_FP8_*, BWD_FP8_*) and, for the NVLink transport's, mok_jax.ep_transport (DISPATCH_*,
 COMBINE_*): the C++ bindings, the argument structs, every handler's parameters and
 docs/design.md must name the same buffers in the same order."""
 
@@ -19,6 +19,8 @@ EP_CC = (ROOT / "ffi" / "ep_transport_cuda.cc").read_text()
 FWD = ops.FWD_OPERANDS + ops.FWD_RESULTS
 BWD = ops.BWD_OPERANDS + ops.BWD_RESULTS
 COMBINE = ops.COMBINE_OPERANDS + ops.COMBINE_RESULTS
+FWD_FP8 = ops.FWD_FP8_OPERANDS + ops.FWD_FP8_RESULTS
+BWD_FP8 = ops.BWD_FP8_OPERANDS + ops.BWD_FP8_RESULTS
 EP_DISPATCH = ep_transport.DISPATCH_OPERANDS + ep_transport.DISPATCH_RESULTS
 EP_COMBINE = ep_transport.COMBINE_OPERANDS + ep_transport.COMBINE_RESULTS
 
@@ -43,13 +45,16 @@ def _handler_params(path: str, function: str) -> tuple[str, ...]:
   src = (ROOT / "ffi" / path).read_text()
   match = re.search(rf"ffi::Error {function}\((.*?)\)\s*\{{", src, re.S)
   assert match, f"{path}: no handler {function}"
-  return tuple(re.findall(r"ffi::(?:Result<ffi::AnyBuffer>|AnyBuffer) (\w+)", match.group(1)))
+  return tuple(re.findall(r"(?:ffi::Result<ffi::AnyBuffer>|ffi::AnyBuffer|Buf|Out) (\w+)",
+                          match.group(1)))
 
 
 def test_bindings_name_the_table():
   assert _bound_names("BindMoeFwd") == FWD
   assert _bound_names("BindMoeBwd") == BWD
   assert _bound_names("BindMoeCombine") == COMBINE
+  assert _bound_names("BindMoeFwdFp8") == FWD_FP8
+  assert _bound_names("BindMoeBwdFp8") == BWD_FP8
   assert _bound_names("BindEpDispatch", EP_CC) == EP_DISPATCH
   assert _bound_names("BindEpCombine", EP_CC) == EP_COMBINE
 
@@ -68,11 +73,17 @@ def test_structs_hold_the_table():
   assert fwd[0] == "y" and fwd[1] == "res" and fwd[2:] == ops.FWD_RESULTS[1 + len(
       ops.Residuals._fields):]
   assert _struct_fields("MoeBwdResults") == ops.BWD_RESULTS
+  assert _struct_fields("MoeFp8Inputs") == ops.FWD_FP8_OPERANDS
+  assert _struct_fields("MoeFwdFp8Results") == ops.FWD_FP8_RESULTS
+  assert _struct_fields("MoeFp8Residuals") == ops.Fp8Residuals._fields
+  assert _struct_fields("MoeBwdFp8Scratch") == ops.BWD_FP8_RESULTS[len(ops.BWD_RESULTS):]
 
 
 @pytest.mark.parametrize("path, function, names", [
     ("moe_fwd_cpu.cc", "MoeFwd", FWD), ("moe_fwd_cuda.cc", "MoeFwdCuda", FWD),
     ("moe_bwd_cpu.cc", "MoeBwd", BWD), ("moe_bwd_cuda.cc", "MoeBwdCuda", BWD),
+    ("moe_fwd_cpu.cc", "MoeFwdFp8", FWD_FP8), ("moe_fwd_fp8_cuda.cc", "MoeFwdFp8Cuda", FWD_FP8),
+    ("moe_bwd_cpu.cc", "MoeBwdFp8", BWD_FP8), ("moe_bwd_fp8_cuda.cc", "MoeBwdFp8Cuda", BWD_FP8),
     ("moe_combine_cpu.cc", "MoeCombine", COMBINE),
     ("moe_combine_cuda.cc", "MoeCombineCuda", COMBINE),
     ("ep_transport_cuda.cc", "EpDispatchCuda", EP_DISPATCH),
@@ -92,6 +103,9 @@ def test_python_declares_the_table():
       ops.BWD_OPERANDS.index(o): ops.BWD_RESULTS.index(r) for o, r in ops.BWD_ALIASES
       if o != "gu_shared"}
   assert ops.bwd_aliases(dims, recompute=True) == {}
+  fp8 = ops.MoeDims(T=5, H=128, I=128, E=3, k=2, Is=128)
+  assert len(ops.fwd_fp8_results(fp8, jnp.bfloat16, 64)) == len(ops.FWD_FP8_RESULTS)
+  assert len(ops.bwd_fp8_results(fp8, 64)) == len(ops.BWD_FP8_RESULTS)
 
 
 def test_design_doc_lists_the_results_in_order():

@@ -58,6 +58,27 @@ def fwd_fp8(args, block_m):
   return jax.block_until_ready(jax.jit(f)(x, experts, weights, ws, shared))
 
 
+def bwd_fp8(args, buffers, block_m):
+  """The FP8 gradients of sum(y) from an FP8 forward's buffers (gu kept) of the same block_m."""
+  def f(buffers, x, experts, weights, ws, shared):
+    return ops.moe_bwd_fp8(jnp.ones_like(x), x, experts, weights, *map(ops.fp8_weight, ws),
+                           tuple(map(ops.fp8_weight, shared)), buffers, block_m=block_m)
+
+  x, experts, weights, *ws, shared = args
+  return jax.block_until_ready(jax.jit(f)(buffers, x, experts, weights, ws, shared))
+
+
+def fp8_buffers(args, block_m):
+  """The FP8 forward's buffers with gu kept."""
+  def f(x, experts, weights, ws, shared):
+    return ops.moe_fwd_fp8(x, experts, weights, *map(ops.fp8_weight, ws),
+                           tuple(map(ops.fp8_weight, shared)), out_dtype=bf16,
+                           block_m=block_m, keep_gu=True)[1]
+
+  x, experts, weights, *ws, shared = args
+  return jax.jit(f)(x, experts, weights, ws, shared)
+
+
 def cpu_residuals(block_m, platform):
   """The CPU forward's residuals for block_m, moved to the platform's device."""
   return jax.device_put(fwd(inputs("cpu"), block_m)[1], jax.devices(platform)[0])
@@ -75,6 +96,9 @@ def test_cpu_targets_take_block_m_32():
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
   np.testing.assert_array_equal(np.asarray(fwd_fp8(args, 32)[0], np.float32),
                                 np.asarray(fwd_fp8(args, 64)[0], np.float32))
+  for a, b in zip(jax.tree.leaves(bwd_fp8(args, fp8_buffers(args, 32), 32)),
+                  jax.tree.leaves(bwd_fp8(args, fp8_buffers(args, 64), 64))):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 @pytest.mark.gpu
@@ -82,7 +106,9 @@ def test_cuda_targets_refuse_block_m_32():
   args = inputs("gpu")
   calls = {"mok_moe_fwd": lambda: fwd(args, 32),
            "mok_moe_bwd": lambda: bwd(args, cpu_residuals(32, "gpu"), 32),
-           "mok_moe_fwd_fp8": lambda: fwd_fp8(args, 32)}
+           "mok_moe_fwd_fp8": lambda: fwd_fp8(args, 32),
+           "mok_moe_bwd_fp8": lambda: bwd_fp8(args, jax.device_put(
+               fp8_buffers(inputs("cpu"), 32), jax.devices("gpu")[0]), 32)}
   for target, call in calls.items():
     with pytest.raises(jax.errors.JaxRuntimeError,
                        match=rf"{target}: the CUDA kernel needs block_m = 64 or 128, got 32"):

@@ -222,14 +222,14 @@ def test_moe_fwd_fp8_checks_its_operands():
       (dict(x=case.x.astype(F32)), r"x must be \(T, H\) bfloat16"),
       (dict(experts=e.astype(jnp.int16)), r"experts must be \(8, k\) int32"),
       (dict(weights=case.weights[:, :0]), r"weights must be \(8, 1\) float32"),
-      (dict(ws=[qs[0], qs[1], ops.Fp8Weight(qs[2].k_major, qs[2].scale[:, :, :0])]),
+      (dict(ws=[qs[0], qs[1], qs[2]._replace(scale=qs[2].scale[:, :, :0])]),
        r"w_down must be an Fp8Weight of e4m3 \(2, 128, 128\) and f32 \(2, 1, 1\)"),
       (dict(ws=[qs[0], case.w_up, qs[2]]), r"w_up must be an Fp8Weight .*got ArrayImpl"),
-      (dict(ws=[qs[0], qs[1], ops.Fp8Weight(jnp.swapaxes(qs[2].k_major, 1, 2)[:, :, :64],
-                                            qs[2].scale)]),
+      (dict(ws=[qs[0], qs[1], qs[2]._replace(
+          k_major=jnp.swapaxes(qs[2].k_major, 1, 2)[:, :, :64])]),
        r"w_down must be an Fp8Weight of e4m3 \(2, 128, 128\) .*got float8_e4m3fn \(2, 128, 64\)"),
-      (dict(shared=(shared[0], shared[1], ops.Fp8Weight(shared[2].k_major.astype(BF16),
-                                                        shared[2].scale))),
+      (dict(shared=(shared[0], shared[1], shared[2]._replace(
+          k_major=shared[2].k_major.astype(BF16)))),
        r"ws_down must be an Fp8Weight of e4m3"),
       (dict(out_dtype=jnp.float16), r"out_dtype must be bfloat16 or float32"),
   ]
@@ -260,9 +260,10 @@ def test_fp8_target_on_the_promotion_case():
 
 def test_fp8_target_layer_and_gradients():
   """moe on backend 'ffi' with precision 'fp8': y the bits of moe_fwd_fp8, whose stages pass
-  fp8_cases.check_target against the XLA backend's y, the gradients the XLA reference's (its
-  backward, after its own forward), the same bits from quantize_experts' weights as from the
-  arrays, and every run alike."""
+  fp8_cases.check_target against the XLA backend's y; the gradients (mok_moe_bwd_fp8) as close
+  to the exact ones as the XLA reference's FP8 gradients (fp8_cases.check_fp8_grads), the same
+  with Config.recompute, the same bits from quantize_experts' weights as from the arrays, and
+  every run alike."""
   case = make_case(T=40, H=256, I=128, E=4, k=2, Is=128, dtype=BF16, seed=1)
   config = mok_jax.Config(precision="fp8")
   y, grads = loss_and_grads(case, "ffi", config)
@@ -270,8 +271,10 @@ def test_fp8_target_layer_and_gradients():
   target = fp8_cases.run_target(case, 64)  # y does not depend on block_m
   assert_same_bits(y, target[0], "y of the layer and of moe_fwd_fp8")
   fp8_cases.check_target(case, *target, want_y)
-  for name in want:
-    fp8_cases.assert_fp8_close(grads[name], want[name], f"d{name}")
+  fp8_cases.check_fp8_grads(grads, want, loss_and_grads(case, "xla")[1])
+  recomputed = loss_and_grads(case, "ffi", dataclasses.replace(config, recompute=True))[1]
+  for name in grads:
+    assert_same_bits(recomputed[name], grads[name], f"d{name} with recompute")
   again = loss_and_grads(case, "ffi", config)
   assert_same_bits(again[0], y, "y again")
   for name in grads:

@@ -6,12 +6,13 @@ tests/test_fp8_accumulation.py runs them on an emulation of the tensor cores' su
 
 In order of diagnosis: one tile of products chosen to be exact (a failure there is the GEMM, the
 scales' layout or the quantizers, against NumPy's bits); then random cases, routings and
-shapes with tails; the layer with its gradients (the XLA reference's backward); the bits of
+shapes with tails; the layer with its gradients (mok_moe_bwd_fp8's kernels); the bits of
 quantize_experts' weights against bf16 weights; determinism, with and without CUDA graphs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -96,10 +97,9 @@ def test_bitwise_deterministic(block_m):
 @pytest.mark.parametrize("block_m", ops.CUDA_BLOCK_MS)
 def test_layer_and_gradients(block_m):
   """y: the bits of moe_fwd_fp8 on the same weights, whose buffers pass every stage's check
-  (fp8_cases.check_target) against the XLA backend's y; the gradients are the XLA reference's
-  backward (after its own forward, recomputed, in XLA: no tensor-core sums), so they differ from
-  the XLA backend's only where XLA compiled that forward differently (an ulp in h may flip one
-  of its e4m3 values): assert_fp8_close."""
+  (fp8_cases.check_target) against the XLA backend's y; the gradients (mok_moe_bwd_fp8's
+  kernels) as close to the exact ones as the XLA reference's FP8 gradients
+  (fp8_cases.check_fp8_grads), and the same bits with Config.recompute."""
   case = make_case(T=600, H=256, I=384, E=8, k=2, Is=128, dtype=BF16, seed=9)
   config = mok_jax.Config(block_m=block_m, precision="fp8")
   y, grads = loss_and_grads(case, "cuda", config)
@@ -107,8 +107,10 @@ def test_layer_and_gradients(block_m):
   target = fp8_cases.run_target(case, block_m)
   assert_same_bits(y, target[0], "y of the layer and of moe_fwd_fp8")
   fp8_cases.check_target(case, *target, want_y)
-  for name in want:
-    fp8_cases.assert_fp8_close(grads[name], want[name], f"d{name}")
+  fp8_cases.check_fp8_grads(grads, want, loss_and_grads(case, "xla")[1])
+  recomputed = loss_and_grads(case, "cuda", dataclasses.replace(config, recompute=True))[1]
+  for name in grads:
+    assert_same_bits(recomputed[name], grads[name], f"d{name} with recompute")
 
 
 def _layer_loss(case, quantized, backend="cuda"):

@@ -96,6 +96,28 @@ __device__ __forceinline__ void StagePass(bf16_t* stage, int wg_thread, uint32_t
   }
 }
 
+// kSwiGLU's gu (o0), when kept: the accumulators' gate columns [0, kCols / 2) to gu's columns
+// col0 on, their up partners to n + col0 on, rounded to bf16, through the staging. gu null:
+// gu is not kept (the forward with Config.recompute, or not differentiated), so its staging
+// passes are skipped; h does not depend on them (it comes from the f32 accumulators).
+template <class Accum>
+__device__ __forceinline__ void StoreGu(const GemmParams& p, bf16_t* stage, int wg_thread,
+                                        uint32_t barrier, int col0, int32_t row,
+                                        const Accum& acc) {
+  constexpr int kCols = AccCols<Accum>();
+  constexpr int kHalfPasses = kCols / 2 / kStageCols;
+  if (p.out0 == nullptr) return;
+  CUTE_UNROLL
+  for (int pass = 0; pass < kCols / kStageCols; ++pass) {
+    const int col = col0 + (pass % kHalfPasses) * kStageCols;
+    if (col >= p.n) continue;  // uniform
+    const int half_base = pass < kHalfPasses ? 0 : p.n;  // gate or up half of a gu row
+    StagePass(stage, wg_thread, barrier,
+              [&](int u) { return PackBf16(acc(32 * pass + u), acc(32 * pass + u + 1)); },
+              [&](uint32_t src) { TmaStore2d(&p.o0, src, half_base + col, row); });
+  }
+}
+
 // bf16 tiles (kStore, kSwiGLU) through the staging tile, 64 columns at a time, as TMA stores of
 // (64 columns, 64 rows) boxes (the tensor maps o0, o1: PrepareGemm). A warpgroup's 64 rows
 // from row0 lie within its group's rows or not at all: groups start at multiples of block_m
@@ -143,20 +165,7 @@ __device__ __forceinline__ void StageAndStore(const GemmParams& p, const GemmTil
     constexpr int kHalfPasses = kCols / 2 / kStageCols;
     constexpr int kUp = kCols / 4;
     const int col0 = tile.n_tile * (C::kBlockN / 2) + part.part * (kCols / 2);
-    // gu null: gu is not kept (the forward with Config.recompute, or not differentiated), so
-    // its four staging passes are skipped. h does not depend on them: it comes from the f32
-    // accumulators, not from the rounded gu.
-    if (p.out0 != nullptr) {
-      CUTE_UNROLL
-      for (int pass = 0; pass < kCols / kStageCols; ++pass) {
-        const int col = col0 + (pass % kHalfPasses) * kStageCols;
-        if (col >= p.n) continue;  // uniform
-        const int half_base = pass < kHalfPasses ? 0 : p.n;  // gate or up half of a gu row
-        StagePass(stage, wg_thread, barrier,
-                  [&](int u) { return PackBf16(acc(32 * pass + u), acc(32 * pass + u + 1)); },
-                  [&](uint32_t src) { TmaStore2d(&p.o0, src, half_base + col, row); });
-      }
-    }
+    StoreGu(p, stage, wg_thread, barrier, col0, row, acc);
     CUTE_UNROLL
     for (int pass = 0; pass < kHalfPasses; ++pass) {
       const int col = col0 + pass * kStageCols;
@@ -555,7 +564,8 @@ __device__ __forceinline__ void ZeroTailPadding(const GemmParams& p, const GemmT
   }
 }
 
-// The FP8 forward's gate|up epilogue (kSwiGLU with kFp8): h = silu(g) * u from the f32 g, u,
+// The FP8 forward's gate|up epilogue (kSwiGLU with kFp8): gu if kept (StoreGu), then
+// h = silu(g) * u from the f32 g, u,
 // quantized in 1 x 128 blocks along I (quantize.cuh), the down GEMM's A. A column tile's 128 h
 // columns are one block, whose amax over a row is a butterfly over the quad of threads that
 // hold the row. The warpgroup's 64 rows go out as one (128 bytes, 64 rows) TMA box of e4m3
@@ -570,6 +580,8 @@ __device__ __forceinline__ void StoreSwiGLUFp8(const GemmParams& p, const GemmTi
   const int wg = thread / 128, wg_thread = thread % 128;
   const uint32_t barrier = 2 + wg;
   if (part.row0 >= tile.m_end) return;  // uniform over the warpgroup
+  StoreGu(p, smem.stage[wg], wg_thread, barrier, tile.n_tile * kFp8Block,
+          static_cast<int32_t>(part.row0), acc);
   const int r0 = AccRow(wg_thread), c0 = AccCol(wg_thread);
   float h[kUp];
   float amax[2] = {0.0f, 0.0f};  // rows r0, r0 + 8

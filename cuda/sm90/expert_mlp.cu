@@ -62,7 +62,7 @@ const char* LaunchExpertMlpsFp8(const ExpertMlpFp8* mlps, int count, int32_t* co
     GemmParams& up = c.gemm[j];  // slots 0, 1: gate|up
     up = RowGroups(m.offsets, m.block_m, m.groups, m.m, m.m_expected);
     up.n = static_cast<int>(m.I), up.k = static_cast<int>(m.H), up.k_split = up.k;
-    up.n_split = up.n, up.out0 = nullptr, up.out1 = m.hq;
+    up.n_split = up.n, up.out0 = m.gu, up.out1 = m.hq;
     up.b_scale0 = m.gate_scale, up.b_scale1 = m.up_scale;
     up.h_scale = m.hq_scale, up.h_scale_pitch = m.hq_pitch;
     if (auto err = PrepareGemmFp8<FwdGateUpFp8>(up, {m.xq, m.H, m.m}, m.xq_scale, m.xq_pitch,

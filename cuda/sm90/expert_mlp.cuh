@@ -55,6 +55,7 @@ struct ExpertMlpFp8 {
   int block_m;
   int groups;
   int64_t m, H, I;
+  void* gu;  // (m, 2I) bf16 [g | u] for the backward, or null: not kept
   void* hq;
   float* hq_scale;
   int64_t hq_pitch;

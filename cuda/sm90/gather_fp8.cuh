@@ -1,6 +1,6 @@
-// The FP8 forward's gather (Config(precision="fp8")). Its own header, included by moe_fwd.cu
-// alone: a kernel that is not a template, defined in a header of several translation units,
-// would be defined once in each.
+// The FP8 layers' quantizing gathers (Config(precision="fp8")): the forward's token rows, the
+// backward's dy and dgu. The kernels are static: each translation unit that launches one has
+// its own copy, where a kernel of external linkage in a header would be defined twice.
 #pragma once
 
 #include <cstdint>
@@ -21,7 +21,7 @@ namespace mok::sm90 {
 //
 // A token's warp holds 8 of its values a lane, 16 lanes a block: the block's amax is a
 // butterfly over its half-warp.
-__global__ void __launch_bounds__(256)
+static __global__ void __launch_bounds__(256)
     GatherQuantizeKernel(const __nv_bfloat16* __restrict__ x, const int32_t* __restrict__ pos,
                          const int32_t* __restrict__ rows, const int32_t* __restrict__ offsets,
                          int64_t T, int k, int block_m, int H, uint8_t* __restrict__ xq,
@@ -84,5 +84,43 @@ __global__ void __launch_bounds__(256)
     if (xq_shared) store(warp, xq_shared, shared_scale, shared_pitch);
   }
 }
+
+// out[r] = in[r] in e4m3, quantized in 1 x 128 blocks along its `cols` with the scales laid out
+// as GatherQuantizeKernel's (scale[block * pitch + r]), for the rows below *rows_end (null:
+// all `rows`): the backward's dgu (whose rows past offsets[E] nothing wrote) into the dx GEMM's
+// A. A warp a row, 8 values a lane: a block's amax is a butterfly over its half-warp.
+static __global__ void __launch_bounds__(256)
+    QuantizeRowsKernel(const __nv_bfloat16* __restrict__ in, int64_t rows,
+                       const int32_t* __restrict__ rows_end, int cols, uint8_t* __restrict__ out,
+                       float* __restrict__ scale, int64_t pitch) {
+  const int lane = threadIdx.x % 32;
+  const int64_t row = int64_t{blockIdx.x} * 8 + threadIdx.x / 32;
+  const int64_t end = rows_end ? min(rows, int64_t{*rows_end}) : rows;
+  if (row >= end) return;  // uniform over the warp
+  const int chunks = cols / 8;
+  for (int c0 = 0; c0 < chunks; c0 += 32) {
+    // cols is a multiple of 128: a half-warp's 16 chunks are one block, all in range or none.
+    const int c = c0 + lane;
+    float f[8];
+    float amax = 0.0f;
+    if (c < chunks) {
+      Load8(in + row * cols + c * 8, f);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) amax = MaxNaN(amax, fabsf(f[i]));
+    }
+#pragma unroll
+    for (int d = 1; d < 16; d *= 2) amax = MaxNaN(amax, __shfl_xor_sync(0xffffffffu, amax, d));
+    const float s = BlockScale(amax);
+    if (c < chunks) {
+      uint2 q;
+      q.x = E4m3Pair(f[0], f[1], s) | uint32_t{E4m3Pair(f[2], f[3], s)} << 16;
+      q.y = E4m3Pair(f[4], f[5], s) | uint32_t{E4m3Pair(f[6], f[7], s)} << 16;
+      reinterpret_cast<uint2*>(out + row * cols)[c] = q;
+      if (lane % 16 == 0) scale[(c / 16) * pitch + row] = s;
+    }
+  }
+}
+
+inline unsigned QuantizeRowsCtas(int64_t rows) { return static_cast<unsigned>((rows + 7) / 8); }
 
 }  // namespace mok::sm90

@@ -82,12 +82,13 @@ struct GemmKind {
   // Block-scaled e4m3 operands (Config(precision="fp8"), quantize.cuh): A in 1 x 128 blocks
   // along K, B in 128 x 128 blocks, both K-major (e4m3 wgmma reads no other major). A k-step
   // is one 128-deep block: its partial products leave the tensor cores each k-step and are
-  // added in f32 with their two scales (MmaTileFp8). The forward's GEMMs only, row-grouped,
-  // without tails, split tiles or clusters (their stages hold whole tiles).
+  // added in f32 with their two scales (MmaTileFp8). The forward's GEMMs and the backward's
+  // data gradients, row-grouped, without tails, split tiles or clusters (their stages hold
+  // whole tiles).
   static constexpr bool kFp8 = kFp8_;
   static_assert(!kFp8_ || (kMajorA_ == cute::GMMA::Major::K && kMajorB_ == cute::GMMA::Major::K &&
-                           kSched_ == Schedule::kRowsByGroup && kEpi_ != Epilogue::kSwiGLUBwd),
-                "FP8 GEMMs are the forward's: K-major, row-grouped");
+                           kSched_ == Schedule::kRowsByGroup),
+                "FP8 GEMMs are K-major and row-grouped");
   // kGroupedK only: the queue hands out runs of tiles (ChainParams::run_tiles) whose tiles of
   // one column tile load B's k-tiles once (GemmTile::keep_b); a kernel of its own, so that the
   // launches without runs keep the ring and register split that measured faster for them.
@@ -123,7 +124,10 @@ struct GemmKind {
   // weight gradients in runs). Loading a last k-step of at most 32 rows as one 32-deep box a
   // panel, so that no padding rows are loaded, is slower: more TMA boxes a tile.
   static constexpr int kBlockK = kFp8_ ? 128 : kTmaStore && !kRuns_ ? 32 : 64;
-  static constexpr int kStages = kTmaStore ? (kRuns_ ? 3 : 6) : 4;
+  // The FP8 SwiGLU backward keeps three: its 12 KB stagings and four 48 KB stages would
+  // not fit in a CTA's shared memory.
+  static constexpr int kStages =
+      kTmaStore ? (kRuns_ ? 3 : 6) : kFp8_ && kEpi_ == Epilogue::kSwiGLUBwd ? 3 : 4;
   // Bytes of one operand element; an FP8 k-step is 128 of them deep, the same 128-byte rows.
   static constexpr int kElemBytes = kFp8_ ? 1 : 2;
   static_assert(kBlockK * kElemBytes == 128 || (!kKMajorA && !kKMajorB),
@@ -200,10 +204,13 @@ struct GemmParams {
   const float* row_scale;   // kSwiGLUBwd: the weight of each route (row_tokens), or null: 1
   float* dw_parts;          // kSwiGLUBwd with row_scale: (m_total, dw_part_cols) f32
   int dw_part_cols;         // ceil(n / 128)
-  // kFp8: B's 128 x 128 block scales, (groups, k / 128, n / 128) f32 as quantize_experts has
-  // them (kSwiGLU: w_gate's in b_scale0, w_up's in b_scale1).
+  // kFp8: B's 128 x 128 block scales, f32 as quantize_experts has them: (groups, k / 128,
+  // n / 128) for the forward's weights, whose K-major copies B is; (groups, n / 128, k / 128)
+  // with b_scale_nk, where B is a weight as it is (the backward's data gradients). kSwiGLU:
+  // w_gate's in b_scale0, w_up's in b_scale1; a K-major B past k_split: b1's in b_scale1.
   const float* b_scale0;
   const float* b_scale1;
+  bool b_scale_nk;
   // kFp8 kSwiGLU: h goes to out1 in e4m3, its scales (n / 128, rows) to h_scale with pitch
   // h_scale_pitch (the down GEMM's a_scale).
   float* h_scale;

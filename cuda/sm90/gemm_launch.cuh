@@ -107,9 +107,10 @@ const char* PrepareGemm(GemmParams& p, const Matrix& a, const Matrix& b0, const 
 
 // PrepareGemm for an FP8 GEMM (GemmKind::kFp8): A e4m3 (rows, k) with its block scales
 // (a_scale, blocks of k by a_pitch, MakeScaleMap); B^T e4m3 (groups * n, k) in b0 (kSwiGLU:
-// w_gate^T, and w_up^T in b1), K-major both, read in (128 bytes, rows) boxes; its scales and
-// (kSwiGLU) h's go in p's b_scale0, b_scale1, h_scale. Outputs: kSwiGLU h in e4m3 (out1),
-// kStore one bf16 output (out0).
+// w_gate^T, and w_up^T in b1; otherwise b1 serves k >= k_split), K-major both, read in
+// (128 bytes, rows) boxes; its scales and (kSwiGLU) h's go in p's b_scale0, b_scale1, h_scale.
+// Outputs: kSwiGLU h in e4m3 (out1) and gu if kept (out0, bf16), kStore one bf16 output (out0),
+// kSwiGLUBwd dgu and h with plain stores (out0, out1).
 template <class Kind>
 const char* PrepareGemmFp8(GemmParams& p, const Matrix& a, const float* a_scale, int64_t a_pitch,
                            const Matrix& b0, const Matrix& b1) {
@@ -118,23 +119,34 @@ const char* PrepareGemmFp8(GemmParams& p, const Matrix& a, const float* a_scale,
   constexpr bool kSwiGLU = Kind::kEpi == Epilogue::kSwiGLU;
   constexpr auto kU8 = CU_TENSOR_MAP_DATA_TYPE_UINT8;
   constexpr auto kSw128 = CU_TENSOR_MAP_SWIZZLE_128B;
-  if (p.k % kFp8Block || p.n % kFp8Block || p.k != a.inner || p.k != b0.inner)
-    return "an FP8 GEMM's k and n must be multiples of 128, k the operands' inner size";
-  if (p.n_split != p.n || p.k_split != p.k) return "an FP8 GEMM has one B and one output";
+  const bool split = !kSwiGLU && p.k_split < p.k;
+  if (p.k % kFp8Block || p.n % kFp8Block || p.k_split % kFp8Block || p.k != a.inner ||
+      p.k_split != b0.inner || (split && p.k - p.k_split != b1.inner))
+    return "an FP8 GEMM's k, k_split and n must be multiples of 128, k the operands' inner size";
+  if (p.n_split != p.n || (kSwiGLU && p.k_split != p.k))
+    return "an FP8 GEMM has one output, and kSwiGLU one k";
   const uint32_t b_rows = kSwiGLU ? C::kBlockN / 2 : C::kBlockN;
   if (!MakeTensorMap(&p.a, a.base, a.inner, a.rows, kFp8Block, C::kBlockM, kSw128, kU8) ||
       !MakeScaleMap(&p.a_scale, a_scale, a.rows, a_pitch, p.k / kFp8Block) ||
       !MakeTensorMap(&p.b0, b0.base, b0.inner, b0.rows, kFp8Block, b_rows, kSw128, kU8) ||
-      (kSwiGLU && !MakeTensorMap(&p.b1, b1.base, b1.inner, b1.rows, kFp8Block, b_rows, kSw128,
-                                 kU8)))
+      ((kSwiGLU || split) &&
+       !MakeTensorMap(&p.b1, b1.base, b1.inner, b1.rows, kFp8Block, b_rows, kSw128, kU8)))
     return "cuTensorMapEncodeTiled refused an FP8 GEMM operand";
-  const bool out_ok =
-      kSwiGLU ? MakeTensorMap(&p.o1, p.out1, p.n, p.m_total, kFp8Block, kWarpgroupRows, kSw128,
-                              kU8)
-              : MakeTensorMap(&p.o0, p.out0, p.n, p.m_total, kStageCols, kWarpgroupRows);
+  auto bf16_map = [&](CUtensorMap* map, const void* base, int64_t cols) {
+    return MakeTensorMap(map, base, cols, p.m_total, kStageCols, kWarpgroupRows);
+  };
+  bool out_ok = true;
+  if constexpr (kSwiGLU) {
+    out_ok = MakeTensorMap(&p.o1, p.out1, p.n, p.m_total, kFp8Block, kWarpgroupRows, kSw128,
+                           kU8) &&
+             (!p.out0 || bf16_map(&p.o0, p.out0, 2 * int64_t{p.n}));
+  } else if constexpr (Kind::kEpi == Epilogue::kStore) {
+    out_ok = bf16_map(&p.o0, p.out0, p.n);
+  }
   if (!out_ok) return "cuTensorMapEncodeTiled refused an FP8 GEMM output";
-  if (!p.b_scale0 || (kSwiGLU && (!p.b_scale1 || !p.h_scale)))
+  if (!p.b_scale0 || ((kSwiGLU || split) && !p.b_scale1) || (kSwiGLU && !p.h_scale))
     return "an FP8 GEMM needs its B scales (and kSwiGLU h's)";
+  if (kSwiGLU && p.b_scale_nk) return "kSwiGLU reads the forward's weight scales";
   p.n_tiles = static_cast<int>(CeilDiv(p.n, kSwiGLU ? C::kBlockN / 2 : C::kBlockN));
   if (p.offsets && p.groups > C::kMaxGroups) return "too many groups for one grouped GEMM";
   if (p.offsets && p.block_m != 64 && p.block_m != C::kBlockM) return "block_m must be 64 or 128";
@@ -279,6 +291,11 @@ using FwdDownFp8 = GemmKind<Major::K, Major::K, Epilogue::kStore, Schedule::kRow
 // Backward data gradients: dgu, h = SwiGLU'(dy_r @ w_down^T); dx_r = dgu @ [w_gate | w_up]^T.
 using BwdDown = GemmKind<Major::K, Major::K, Epilogue::kSwiGLUBwd, Schedule::kRowsByGroup>;
 using BwdGateUp = GemmKind<Major::K, Major::K, Epilogue::kStore, Schedule::kRowsByGroup>;
+// The same in block-scaled e4m3: B is w_down and [w_gate | w_up] as they are (b_scale_nk);
+// dx_r's GEMM is FwdDownFp8's kind with a second B past k_split.
+using BwdDownFp8 =
+    GemmKind<Major::K, Major::K, Epilogue::kSwiGLUBwd, Schedule::kRowsByGroup, false, true>;
+using BwdGateUpFp8 = FwdDownFp8;
 // Backward weight gradients: dW_g = A[rows of g]^T @ B[rows of g].
 using BwdWeights = GemmKind<Major::MN, Major::MN, Epilogue::kStore, Schedule::kGroupedK>;
 // The same in runs of tiles (ChainParams::run_tiles > 1).

@@ -90,12 +90,13 @@ struct alignas(1024) GemmSmem {
   uint64_t empty[kStages];  // both consumer warpgroups done reading
 };
 // FP8 (kFp8): e4m3 stages, each with its k-block's scales of A's 128 rows; the staging (64
-// rows x 128 bytes a warpgroup) takes y's bf16 columns (kStore) or h's e4m3 (kSwiGLU).
-template <int kStages>
+// rows x 128 bytes a warpgroup) takes the bf16 columns of y, dx_r or gu (kStore, kSwiGLU) or
+// h's e4m3 (kSwiGLU); kSwiGLUBwd's is the bf16 kernels' (64, 96).
+template <int kStages, int kStageElems>
 struct alignas(1024) GemmSmemFp8 {
   e4m3_t a[kStages][GemmConfig::kBlockM * kFp8Block];
   e4m3_t b[kStages][GemmConfig::kBlockN * kFp8Block];
-  bf16_t stage[GemmConfig::kConsumerWarpgroups][kWarpgroupRows * kStageCols];
+  bf16_t stage[GemmConfig::kConsumerWarpgroups][kStageElems];
   float a_scale[kStages][GemmConfig::kBlockM];  // 512 bytes: TMA's 16-byte alignment holds
   int32_t offsets[GemmConfig::kMaxGroups + 1];
   int32_t tile_start[GemmConfig::kMaxGroups + 1];
@@ -116,7 +117,9 @@ struct GemmSmemFor {
 template <class Kind>
 struct GemmSmemFor<Kind, true> {
   static_assert(Kind::kBlockK == kFp8Block);
-  using type = GemmSmemFp8<Kind::kStages>;
+  using type = GemmSmemFp8<Kind::kStages,
+                           kWarpgroupRows * (Kind::kEpi == Epilogue::kSwiGLUBwd
+                                                 ? kSwiGLUBwdStageCols : kStageCols)>;
 };
 template <class Kind>
 using GemmSmemOf = typename GemmSmemFor<Kind>::type;
@@ -493,8 +496,8 @@ __device__ __forceinline__ void MmaTileSplit(const GemmTile& tile, Smem& smem, i
 
 // Producer: A's k-block (128 bytes, 128 rows) and its 128 row scales, then B's: kSwiGLU's 128
 // rows of w_gate^T and the same rows of w_up^T (its column tile's gate and up columns), else
-// 256 rows of B^T. Each tile loads whole stages: FP8 tiles are never split (the epilogues
-// leave out the rows and columns past the tile's).
+// 256 rows of B^T (of b1 past k_split). Each tile loads whole stages: FP8 tiles are never split
+// (the epilogues leave out the rows and columns past the tile's).
 template <class Kind, class Smem>
 __device__ __forceinline__ void LoadTileFp8(const GemmParams& p, const GemmTile& tile, Smem& smem,
                                             uint32_t& it) {
@@ -512,35 +515,56 @@ __device__ __forceinline__ void LoadTileFp8(const GemmParams& p, const GemmTile&
     BarrierArriveExpectTx(&smem.full[s], Kind::kStageBytes);
     TmaLoad2d(smem.a[s], &p.a, &smem.full[s], kk, m0);
     TmaLoad2d(smem.a_scale[s], &p.a_scale, &smem.full[s], m0, kt);
-    TmaLoad2d(smem.b[s], &p.b0, &smem.full[s], kk, b_row);
     if constexpr (kSwiGLU) {
+      TmaLoad2d(smem.b[s], &p.b0, &smem.full[s], kk, b_row);
       TmaLoad2d(smem.b[s] + kBRows * Kind::kBlockK, &p.b1, &smem.full[s], kk, b_row);
+    } else if (kk < p.k_split) {
+      TmaLoad2d(smem.b[s], &p.b0, &smem.full[s], kk, b_row);
+    } else {
+      TmaLoad2d(smem.b[s], &p.b1, &smem.full[s], kk - p.k_split, b_row);
     }
   }
 }
 
 // The B scales of one FP8 tile: for each 128-column half of the tile, where its block's scale
 // of k-block 0 is (null: the half is past n, its columns never stored), and the step between
-// k-blocks. kSwiGLU's halves are the gate and up columns of the tile's one block of n.
+// k-blocks; past k-block split (a K-major B past k_split), the same in b_scale1 from there.
+// kSwiGLU's halves are the gate and up columns of the tile's one block of n.
 struct Fp8BScales {
   const float* half[2];
+  const float* past_split[2];
   int k_stride;
+  int split;
+
+  __device__ __forceinline__ const float* At(int h, int kt) const {
+    const float* s = kt < split ? half[h] : past_split[h];
+    return s ? s + int64_t{kt < split ? kt : kt - split} * k_stride : nullptr;
+  }
 };
 
 template <class Kind>
 __device__ __forceinline__ Fp8BScales Fp8BScalesOf(const GemmParams& p, const GemmTile& tile) {
-  const int n_blocks = p.n / kFp8Block, k_blocks = p.k / kFp8Block;
-  const int64_t group = int64_t{tile.group} * k_blocks * n_blocks;
+  const int n_blocks = p.n / kFp8Block, split = p.k_split / kFp8Block;
+  const int rest = (p.k - p.k_split) / kFp8Block;
   Fp8BScales s;
-  s.k_stride = n_blocks;
+  s.split = split;
   if constexpr (Kind::kEpi == Epilogue::kSwiGLU) {
-    s.half[0] = p.b_scale0 + group + tile.n_tile;
-    s.half[1] = p.b_scale1 + group + tile.n_tile;
+    const int64_t group = int64_t{tile.group} * split * n_blocks;
+    s.k_stride = n_blocks;
+    s.half[0] = s.past_split[0] = p.b_scale0 + group + tile.n_tile;
+    s.half[1] = s.past_split[1] = p.b_scale1 + group + tile.n_tile;
   } else {
+    // (k / 128, n / 128) a group, or with b_scale_nk (n / 128, k / 128).
+    s.k_stride = p.b_scale_nk ? 1 : n_blocks;
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h) {
       const int block = 2 * tile.n_tile + h;
-      s.half[h] = block < n_blocks ? p.b_scale0 + group + block : nullptr;
+      const bool in = block < n_blocks;
+      const int64_t at = p.b_scale_nk ? int64_t{block} * split : block;
+      const int64_t at_rest = p.b_scale_nk ? int64_t{block} * rest : block;
+      s.half[h] = in ? p.b_scale0 + int64_t{tile.group} * split * n_blocks + at : nullptr;
+      s.past_split[h] =
+          in && rest > 0 ? p.b_scale1 + int64_t{tile.group} * rest * n_blocks + at_rest : nullptr;
     }
   }
   return s;
@@ -583,7 +607,7 @@ __device__ __forceinline__ void MmaTileFp8(const GemmTile& tile, Smem& smem, int
     float b_scale[2];
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h)
-      b_scale[h] = scales.half[h] ? __ldg(scales.half[h] + int64_t{kt} * scales.k_stride) : 0.0f;
+      b_scale[h] = scales.At(h, kt) ? __ldg(scales.At(h, kt)) : 0.0f;
     BarrierWait(&smem.full[s], PhaseOf<Kind>(it, s));
     Advance<Kind>(it, s, false);
     const uint32_t a_scale_at = SmemAddr(&smem.a_scale[s][wg * 64 + r0]);

@@ -15,12 +15,17 @@
 // y_routed, which the forward so keeps as scratch, not as a residual (b R H bytes a layer from
 // the forward until the backward: README, Memory).
 //
+// The FP8 backward (LaunchMoeBwdFp8) is the same with its two data-gradient GEMMs in
+// block-scaled e4m3: dy is gathered twice (bf16 for the weight gradients, e4m3 for dh'), and
+// dgu quantized after BwdDown wrote it.
+//
 // Every reduction has a single owner and a fixed order: the same bits on every run.
 #include "../launch.h"
 #include "../layout_contract.h"
 #include "combine.cuh"
 #include "expert_mlp.cuh"
 #include "gather.cuh"
+#include "gather_fp8.cuh"
 #include "gemm_launch.cuh"
 
 namespace mok::cuda {
@@ -200,6 +205,121 @@ const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
   // four bench shapes, and dx_r can run in clusters of two where experts have few rows
   // (UseClusters) (docs/performance.md, The backward's dx_r and weight gradients apart).
   if (auto err = sm90::LaunchQueued<sm90::BwdGateUp, sm90::BwdGateUp>(dx, stream)) return err;
+  sm90::CombineKernel<bf16, bf16><<<static_cast<unsigned>(CeilDiv(a.T, 8)), 256, 0, stream>>>(
+      static_cast<const bf16*>(a.dx_routed),
+      a.Is > 0 ? static_cast<const bf16*>(a.dx_shared) : nullptr, a.pos, nullptr, a.T, k, H,
+      static_cast<bf16*>(a.dx), a.dw_parts, static_cast<int>(DwPartCols(a.I)), a.dweights);
+  return Check(cudaGetLastError());
+}
+
+namespace {
+
+// The FP8 data gradients of the MLPs (routed, and the shared one if count = 2), as
+// DataGradChains' two chains: dh' from dy in e4m3 and w_down as it is, then dx_r from dgu in
+// e4m3 and w_gate | w_up as they are (their block scales (n, k): b_scale_nk).
+struct Fp8Operands {
+  const void* dyq;
+  const float* dyq_scale;
+  const void* dguq;
+  const float* dguq_scale;
+  int64_t pitch;
+  const float *gate_scale, *up_scale, *down_scale;
+};
+
+const char* DataGradChainsFp8(const MlpGrads* mlps, const Fp8Operands* q, int count,
+                              ChainParams* down_chain, ChainParams* dx_chain) {
+  *down_chain = sm90::EmptyChain();
+  *dx_chain = sm90::EmptyChain();
+  for (int j = 0; j < count; ++j) {
+    const MlpGrads& g = mlps[j];
+    const int H = static_cast<int>(g.H), I = static_cast<int>(g.I);
+    GemmParams& down = down_chain->gemm[j];
+    down = sm90::RowGroups(g.offsets, g.block_m, g.groups, g.m, g.m_expected);
+    down.n = I, down.k = H, down.k_split = H, down.n_split = I;
+    down.aux = static_cast<const __nv_bfloat16*>(g.gu), down.out0 = g.dgu, down.out1 = g.h;
+    down.row_tokens = g.row_tokens, down.row_scale = g.row_scale;
+    down.dw_parts = g.dw_parts, down.dw_part_cols = static_cast<int>(DwPartCols(g.I));
+    down.b_scale0 = q[j].down_scale, down.b_scale_nk = true;
+    if (auto err = sm90::PrepareGemmFp8<sm90::BwdDownFp8>(
+            down, {q[j].dyq, H, g.m}, q[j].dyq_scale, q[j].pitch,
+            {g.w_down, H, g.groups * g.I}, {}))
+      return err;
+    GemmParams& up = dx_chain->gemm[j];
+    up = sm90::RowGroups(g.offsets, g.block_m, g.groups, g.m, g.m_expected);
+    up.n = H, up.k = 2 * I, up.k_split = I, up.n_split = H, up.out0 = g.dx_rows;
+    up.b_scale0 = q[j].gate_scale, up.b_scale1 = q[j].up_scale, up.b_scale_nk = true;
+    if (auto err = sm90::PrepareGemmFp8<sm90::BwdGateUpFp8>(
+            up, {q[j].dguq, 2 * g.I, g.m}, q[j].dguq_scale, q[j].pitch,
+            {g.w_gate, I, g.groups * g.H}, {g.w_up, I, g.groups * g.H}))
+      return err;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+const char* LaunchMoeBwdFp8(const MoeBwdFp8Args& f, cudaStream_t stream) {
+  const MoeBwdArgs& a = f.bwd;
+  constexpr int64_t kBlock = sm90::kFp8Block;
+  if (a.H % kBlock || a.I % kBlock || a.Is % kBlock)
+    return "the FP8 backward needs H, I and Is multiples of 128";
+  if (a.T * a.k >= (int64_t{1} << 31) || a.R >= (int64_t{1} << 31))
+    return "T * k and the routed rows must stay below 2^31";
+  if (a.dy_f32 || a.recompute) return "the FP8 backward takes bf16 dy and the forward's gu";
+  if (a.ranks < 1) return "ranks must be at least 1";
+  using bf16 = __nv_bfloat16;
+  const int E = static_cast<int>(a.E), k = static_cast<int>(a.k), H = static_cast<int>(a.H);
+  const int mlp_count = a.Is > 0 ? 2 : 1;
+  const int64_t routes = a.T * a.k;
+  const int64_t expected = ExpectedRoutedRows(routes, a.R, a.ranks);
+  const int64_t pitch = Fp8ScalePitch(a.R), token_pitch = Fp8ScalePitch(a.T);
+  // Tile queues as LaunchMoeBwd's (1 dgu, 2 the weight gradients, 3 dx_r), cleared by the
+  // gather of xs: the FP8 forward keeps no bf16 rows of x.
+  sm90::GatherKernel<<<sm90::GatherCtas(a.T, E), 256, 0, stream>>>(
+      static_cast<const bf16*>(a.x), a.pos, a.rows, a.offsets, a.T, k, a.block_m, H,
+      static_cast<bf16*>(a.xs), a.queue, TileQueueInts(a.T, a.k, a.E));
+  sm90::GatherKernel<bf16><<<sm90::GatherCtas(a.T, E), 256, 0, stream>>>(
+      static_cast<const bf16*>(a.dy), a.pos, a.rows, a.offsets, a.T, k, a.block_m, H,
+      static_cast<bf16*>(a.dy_routed), nullptr, 0);
+  sm90::GatherQuantizeKernel<<<sm90::GatherCtas(a.T, E), 256, 0, stream>>>(
+      static_cast<const bf16*>(a.dy), a.pos, a.rows, a.offsets, a.T, k, a.block_m, H,
+      static_cast<uint8_t*>(f.dyq), f.dyq_scale, pitch,
+      a.Is > 0 ? static_cast<uint8_t*>(f.dyq_shared) : nullptr, f.dyq_shared_scale, token_pitch);
+  const MlpGrads mlps[2] = {
+      {a.xs, a.gu, a.dy_routed, a.w_gate, a.w_up, a.w_down, a.offsets, a.rows, a.weights,
+       a.block_m, E, a.R, a.H, a.I, expected, a.dgu, a.h, a.dw_parts, a.dx_routed, a.dw_gate,
+       a.dw_up, a.dw_down},
+      {a.x, a.gu_shared, a.dy, a.ws_gate, a.ws_up, a.ws_down, nullptr, nullptr, nullptr, 128, 1,
+       a.T, a.H, a.Is, a.T, a.dgu_shared, a.h_shared, nullptr, a.dx_shared, a.dws_gate,
+       a.dws_up, a.dws_down}};
+  const Fp8Operands q[2] = {
+      {f.dyq, f.dyq_scale, f.dguq, f.dguq_scale, pitch, f.w_gate_scale, f.w_up_scale,
+       f.w_down_scale},
+      {f.dyq_shared, f.dyq_shared_scale, f.dguq_shared, f.dguq_shared_scale, token_pitch,
+       f.ws_gate_scale, f.ws_up_scale, f.ws_down_scale}};
+  ChainParams down, dx;
+  if (auto err = DataGradChainsFp8(mlps, q, mlp_count, &down, &dx)) return err;
+  down.queue = a.queue + 1, dx.queue = a.queue + 3;
+  if (auto err = sm90::LaunchQueued<sm90::BwdDownFp8, sm90::BwdDownFp8>(down, stream))
+    return err;
+  // dgu into e4m3, the rows that BwdDown wrote (offsets[E]: the routed rows in use).
+  sm90::QuantizeRowsKernel<<<sm90::QuantizeRowsCtas(a.R), 256, 0, stream>>>(
+      static_cast<const bf16*>(a.dgu), a.R, a.offsets + a.E, static_cast<int>(2 * a.I),
+      static_cast<uint8_t*>(f.dguq), f.dguq_scale, pitch);
+  if (a.Is > 0) {
+    sm90::QuantizeRowsKernel<<<sm90::QuantizeRowsCtas(a.T), 256, 0, stream>>>(
+        static_cast<const bf16*>(a.dgu_shared), a.T, nullptr, static_cast<int>(2 * a.Is),
+        static_cast<uint8_t*>(f.dguq_shared), f.dguq_shared_scale, token_pitch);
+  }
+  const int run_tiles = sm90::WeightGradRunTiles(CeilDiv(routes, a.ranks), a.E);
+  if (auto err = run_tiles > 1 ? LaunchWeightGrads<sm90::BwdWeightRuns>(
+                                     mlps, mlp_count, run_tiles, a.queue + 2, stream)
+                               : LaunchWeightGrads<sm90::BwdWeights>(mlps, mlp_count, run_tiles,
+                                                                     a.queue + 2, stream))
+    return err;
+  // dx_r last: it takes xs's buffer, which the weight gradients read (as LaunchMoeBwd's).
+  if (auto err = sm90::LaunchQueued<sm90::BwdGateUpFp8, sm90::BwdGateUpFp8>(dx, stream))
+    return err;
   sm90::CombineKernel<bf16, bf16><<<static_cast<unsigned>(CeilDiv(a.T, 8)), 256, 0, stream>>>(
       static_cast<const bf16*>(a.dx_routed),
       a.Is > 0 ? static_cast<const bf16*>(a.dx_shared) : nullptr, a.pos, nullptr, a.T, k, H,

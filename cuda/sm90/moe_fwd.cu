@@ -127,15 +127,15 @@ const char* LaunchMoeFwdFp8(const MoeFwdFp8Args& a, cudaStream_t stream) {
       static_cast<const __nv_bfloat16*>(a.x), a.pos, a.rows, a.offsets, a.T, k, a.block_m,
       static_cast<int>(a.H), static_cast<uint8_t*>(a.xq), a.xq_scale, routed_pitch,
       shared ? static_cast<uint8_t*>(a.xq_shared) : nullptr, a.xq_shared_scale, token_pitch);
-  // 3. Expert MLPs, routed and shared, in one launch: hq = quantize(silu(g) * u), then
-  // y = hq @ w_down.
+  // 3. Expert MLPs, routed and shared, in one launch: gu (if kept), hq = quantize(silu(g) * u),
+  // then y = hq @ w_down.
   sm90::ExpertMlpFp8 mlps[2] = {
       {a.xq, a.xq_scale, routed_pitch, a.w_gate, a.w_up, a.w_down, a.w_gate_scale, a.w_up_scale,
-       a.w_down_scale, a.offsets, a.block_m, E, a.R, a.H, a.I, a.hq, a.hq_scale, routed_pitch,
-       a.y_routed, 0, expected},
+       a.w_down_scale, a.offsets, a.block_m, E, a.R, a.H, a.I, a.gu, a.hq, a.hq_scale,
+       routed_pitch, a.y_routed, 0, expected},
       {a.xq_shared, a.xq_shared_scale, token_pitch, a.ws_gate, a.ws_up, a.ws_down,
        a.ws_gate_scale, a.ws_up_scale, a.ws_down_scale, nullptr, 128, 1, a.T, a.H, a.Is,
-       a.hq_shared, a.hq_shared_scale, token_pitch, a.y_shared,
+       a.gu_shared, a.hq_shared, a.hq_shared_scale, token_pitch, a.y_shared,
        static_cast<int>(RoutedRowTilesBound(routes, a.E)), a.T}};
   if (auto err = sm90::LaunchExpertMlpsFp8(mlps, shared ? 2 : 1, queue, queue + kQueueHeaderInts,
                                            stream))
