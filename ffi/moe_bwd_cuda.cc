@@ -1,6 +1,7 @@
 // mok_moe_bwd on CUDA GPUs: argument checks here, the work in cuda/sm90 (launch.h).
 #include <cuda_runtime_api.h>
 
+#include <array>
 #include <string>
 
 #include "../cuda/launch.h"
@@ -8,6 +9,32 @@
 #include "moe_cuda.h"
 
 namespace mok {
+
+void SetBwdBuffers(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer weights,
+                   const std::array<ffi::AnyBuffer, 6>& w, const MoeResiduals& res,
+                   const MoeBwdResults& out, cuda::MoeBwdArgs& a) {
+  a.dy = dy.untyped_data(), a.dy_f32 = dy.element_type() == ffi::DataType::F32;
+  a.x = x.untyped_data(), a.weights = weights.reinterpret_data<float>();
+  a.w_gate = w[0].untyped_data(), a.w_up = w[1].untyped_data(), a.w_down = w[2].untyped_data();
+  a.ws_gate = w[3].untyped_data(), a.ws_up = w[4].untyped_data();
+  a.ws_down = w[5].untyped_data();
+  a.pos = res.pos.reinterpret_data<int32_t>(), a.offsets = res.offsets.reinterpret_data<int32_t>();
+  a.rows = res.rows.reinterpret_data<int32_t>();
+  a.gu = res.gu.untyped_data(), a.gu_shared = res.gu_shared.untyped_data();
+  a.dx = out.dx.untyped_data(), a.dweights = out.dweights.reinterpret_data<float>();
+  a.dw_gate = out.dw_gate.untyped_data(), a.dw_up = out.dw_up.untyped_data();
+  a.dw_down = out.dw_down.untyped_data();
+  a.dws_gate = out.dws_gate.untyped_data(), a.dws_up = out.dws_up.untyped_data();
+  a.dws_down = out.dws_down.untyped_data();
+  a.xs = a.dx_routed = out.xs_rows.untyped_data();
+  a.dy_routed = out.dy_routed.untyped_data();
+  a.dgu = out.dgu.untyped_data(), a.h = out.h.untyped_data();
+  a.dgu_shared = out.dgu_shared.untyped_data(), a.h_shared = out.h_shared.untyped_data();
+  a.dx_shared = out.dx_shared.untyped_data();
+  a.dw_parts = out.dw_parts.reinterpret_data<float>();
+  a.queue = out.queue.reinterpret_data<int32_t>();
+}
+
 namespace {
 
 ffi::Error MoeBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
@@ -36,35 +63,13 @@ ffi::Error MoeBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
   const MoeDims& d = *dims;
   cuda::MoeBwdArgs a{};
   SetLaunchDims(d, a);
-  a.dy = dy.untyped_data(), a.dy_f32 = dy.element_type() == ffi::DataType::F32;
-  a.x = x.untyped_data(), a.weights = weights.reinterpret_data<float>();
-  a.w_gate = w_gate.untyped_data(), a.w_up = w_up.untyped_data();
-  a.w_down = w_down.untyped_data();
-  a.ws_gate = ws_gate.untyped_data(), a.ws_up = ws_up.untyped_data();
-  a.ws_down = ws_down.untyped_data();
-  a.pos = pos.reinterpret_data<int32_t>(), a.offsets = offsets.reinterpret_data<int32_t>();
-  a.rows = rows.reinterpret_data<int32_t>();
-  a.gu = gu.untyped_data();
-  a.gu_shared = gu_shared.untyped_data();
-  a.dx = out.dx.untyped_data(), a.dweights = out.dweights.reinterpret_data<float>();
-  a.dw_gate = out.dw_gate.untyped_data(), a.dw_up = out.dw_up.untyped_data();
-  a.dw_down = out.dw_down.untyped_data();
-  a.dws_gate = out.dws_gate.untyped_data(), a.dws_up = out.dws_up.untyped_data();
-  a.dws_down = out.dws_down.untyped_data();
+  SetBwdBuffers(dy, x, weights, {w_gate, w_up, w_down, ws_gate, ws_up, ws_down}, res, out, a);
   // xs: without recompute read from the residual operand, never through the result that
   // aliases it: the result is only where dx_routed goes, and whether XLA hands both the same
   // buffer (it does when the residual dies with the backward, ops.bwd_aliases) is XLA's choice.
   // With recompute the backward gathers xs into the result itself.
   a.xs_in = d.recompute ? out.xs_rows.untyped_data() : xs.untyped_data();
-  a.xs = out.xs_rows.untyped_data();
-  a.dy_routed = out.dy_routed.untyped_data();
-  a.dx_routed = out.xs_rows.untyped_data();
-  a.dgu = out.dgu.untyped_data(), a.h = out.h.untyped_data();
-  a.dgu_shared = out.dgu_shared.untyped_data(), a.h_shared = out.h_shared.untyped_data();
-  a.dx_shared = out.dx_shared.untyped_data();
-  a.dw_parts = out.dw_parts.reinterpret_data<float>();
   a.recompute = d.recompute;
-  a.queue = out.queue.reinterpret_data<int32_t>();
   if (const char* err = cuda::LaunchMoeBwd(a, stream))
     return ffi::Error::Internal(std::string("mok_moe_bwd: ") + err);
   return ffi::Error::Success();

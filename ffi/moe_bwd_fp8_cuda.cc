@@ -37,28 +37,11 @@ ffi::Error MoeBwdFp8Cuda(
   cuda::MoeBwdFp8Args f{};
   cuda::MoeBwdArgs& a = f.bwd;
   SetLaunchDims(*dims, a);
-  a.dy = dy.untyped_data();
-  a.x = x.untyped_data(), a.weights = weights.reinterpret_data<float>();
-  a.w_gate = w_gate.untyped_data(), a.w_up = w_up.untyped_data();
-  a.w_down = w_down.untyped_data();
-  a.ws_gate = ws_gate.untyped_data(), a.ws_up = ws_up.untyped_data();
-  a.ws_down = ws_down.untyped_data();
-  a.pos = pos.reinterpret_data<int32_t>(), a.offsets = offsets.reinterpret_data<int32_t>();
-  a.rows = rows.reinterpret_data<int32_t>();
-  a.gu = gu.untyped_data(), a.gu_shared = gu_shared.untyped_data();
-  a.dx = out.dx.untyped_data(), a.dweights = out.dweights.reinterpret_data<float>();
-  a.dw_gate = out.dw_gate.untyped_data(), a.dw_up = out.dw_up.untyped_data();
-  a.dw_down = out.dw_down.untyped_data();
-  a.dws_gate = out.dws_gate.untyped_data(), a.dws_up = out.dws_up.untyped_data();
-  a.dws_down = out.dws_down.untyped_data();
-  // x is gathered into xs_rows, which the weight gradients read and dx_r then takes.
-  a.xs_in = a.xs = a.dx_routed = out.xs_rows.untyped_data();
-  a.dy_routed = out.dy_routed.untyped_data();
-  a.dgu = out.dgu.untyped_data(), a.h = out.h.untyped_data();
-  a.dgu_shared = out.dgu_shared.untyped_data(), a.h_shared = out.h_shared.untyped_data();
-  a.dx_shared = out.dx_shared.untyped_data();
-  a.dw_parts = out.dw_parts.reinterpret_data<float>();
-  a.queue = out.queue.reinterpret_data<int32_t>();
+  // x is gathered into xs_rows, which the weight gradients read and dx_r then takes; gu
+  // stands in for the residual xs, which the FP8 forward does not keep.
+  SetBwdBuffers(dy, x, weights, {w_gate, w_up, w_down, ws_gate, ws_up, ws_down},
+                {pos, offsets, rows, gu, gu_shared, gu}, out, a);
+  a.xs_in = a.xs;
   f.w_gate_scale = f32(w_gate_scale), f.w_up_scale = f32(w_up_scale);
   f.w_down_scale = f32(w_down_scale);
   f.ws_gate_scale = f32(ws_gate_scale), f.ws_up_scale = f32(ws_up_scale);

@@ -287,6 +287,17 @@ def test_fp8_target_layer_and_gradients():
     assert_same_bits(g1[name], g0[name], f"d{name} from quantize_experts")
 
 
+@pytest.mark.parametrize("routing", ["skewed", "invalid"])
+def test_fp8_target_gradients_under_routing(routing):
+  """mok_moe_bwd_fp8 (backend 'ffi') where most routes go to one expert and others have none,
+  and where ids fall outside [0, E): gradients as close to the exact ones as the reference's."""
+  experts = fp8_cases.fp8_routing(routing, 50, 4, 2)
+  case = make_case(T=50, H=128, I=128, E=4, k=2, Is=128, dtype=BF16, seed=3, experts=experts)
+  config = mok_jax.Config(precision="fp8")
+  fp8_cases.check_fp8_grads(loss_and_grads(case, "ffi", config)[1],
+                            loss_and_grads(case, "xla", config)[1], loss_and_grads(case, "xla")[1])
+
+
 # --- mok_jax.quantize_experts ---------------------------------------------------------------
 
 

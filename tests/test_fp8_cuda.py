@@ -23,7 +23,8 @@ import pytest
 import fp8_cases
 import mok_jax
 from cases import (BF16, COMMAND_BUFFER_FLAGS, CUDA_ROUTINGS, NO_COMMAND_BUFFER_FLAGS, REPLAYS,
-                   assert_same_bits, cuda_routing, digest, in_fresh_process, loss_and_grads,
+                   assert_same_bits, cuda_routing, digest, grad_fn, in_fresh_process,
+                   loss_and_grads,
                    make_case, named_grads)
 from mok_jax import ops
 
@@ -64,6 +65,17 @@ def test_adversarial_routing(name):
   experts = cuda_routing(name, T=700, E=8, k=3)
   fp8_cases.check_against_reference(fp8_cases.random_case(700, 128, 256, 8, 3, 128, 3, experts),
                                     64)
+
+
+@pytest.mark.parametrize("name", CUDA_ROUTINGS)
+def test_gradients_under_adversarial_routing(name):
+  """mok_moe_bwd_fp8's kernels under test_adversarial_routing's routings: the gradients as close
+  to the exact ones as the XLA reference's FP8 gradients, zeros where no route reaches."""
+  case = make_case(T=300, H=128, I=256, E=8, k=3, Is=128, dtype=BF16, seed=5,
+                   experts=cuda_routing(name, T=300, E=8, k=3))
+  config = mok_jax.Config(precision="fp8")
+  fp8_cases.check_fp8_grads(loss_and_grads(case, "cuda", config)[1],
+                            loss_and_grads(case, "xla", config)[1], loss_and_grads(case, "xla")[1])
 
 
 @pytest.mark.parametrize("block_m", ops.CUDA_BLOCK_MS)
@@ -147,20 +159,27 @@ def test_auto_picks_cuda_for_fp8():
 
 
 def fp8_digests() -> dict:
-  """sha256 of y of the CUDA FP8 forward on one case (a shared expert, tails), each block_m's
-  jitted forward called REPLAYS times: {str(block_m): [digest] * REPLAYS}."""
+  """sha256 of y of the CUDA FP8 forward on one case (a shared expert, tails), and of y and
+  every gradient of its jitted value_and_grad, each block_m's called REPLAYS times:
+  {str(block_m): [[digest of y, then of each gradient]] * REPLAYS}."""
   case = make_case(600, 256, 384, 16, 4, Is=128, dtype=BF16, seed=7)
   out = {}
   for block_m in ops.CUDA_BLOCK_MS:
     config = mok_jax.Config(block_m=block_m, precision="fp8")
     fwd = jax.jit(functools.partial(mok_jax.moe, shared=case.shared, config=config,
                                     backend="cuda"))
-    out[str(block_m)] = [digest(fwd(*case.args())) for _ in range(REPLAYS)]
+    grad = jax.jit(grad_fn(case, "cuda", config))
+    runs = []
+    for _ in range(REPLAYS):
+      (_, y), g = grad(*case.params())
+      runs.append([digest(fwd(*case.args())), digest(y), *map(digest, jax.tree.leaves(g))])
+    out[str(block_m)] = runs
   return out
 
 
 def test_same_bits_with_command_buffers():
-  """The forward captured into CUDA graphs and replayed gives the bits of the plain one."""
+  """The forward and backward captured into CUDA graphs and replayed give the bits of the plain
+  ones, and every run the same."""
   digests = functools.partial(in_fresh_process, "test_fp8_cuda.fp8_digests",
                               XLA_PYTHON_CLIENT_PREALLOCATE="false")
   plain = digests(NO_COMMAND_BUFFER_FLAGS)

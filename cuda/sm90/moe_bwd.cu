@@ -57,6 +57,26 @@ struct MlpGrads {
   void *dw_gate, *dw_up, *dw_down;
 };
 
+// The fields of dh' = dy_r @ w_down^T (BwdDown and BwdDownFp8: its SwiGLU backward epilogue
+// writes dgu, w h and the parts of dweights) and of dx_r = [dg | du] @ [w_gate | w_up]^T, but
+// their operands.
+GemmParams DownGrad(const MlpGrads& g) {
+  GemmParams down = sm90::RowGroups(g.offsets, g.block_m, g.groups, g.m, g.m_expected);
+  down.n = static_cast<int>(g.I), down.k = static_cast<int>(g.H);
+  down.k_split = down.k, down.n_split = down.n;
+  down.aux = static_cast<const __nv_bfloat16*>(g.gu), down.out0 = g.dgu, down.out1 = g.h;
+  down.row_tokens = g.row_tokens, down.row_scale = g.row_scale;
+  down.dw_parts = g.dw_parts, down.dw_part_cols = static_cast<int>(DwPartCols(g.I));
+  return down;
+}
+
+GemmParams DxGrad(const MlpGrads& g) {
+  GemmParams up = sm90::RowGroups(g.offsets, g.block_m, g.groups, g.m, g.m_expected);
+  up.n = static_cast<int>(g.H), up.k = static_cast<int>(2 * g.I);
+  up.k_split = static_cast<int>(g.I), up.n_split = up.n, up.out0 = g.dx_rows;
+  return up;
+}
+
 // The data gradients of the MLPs (routed, and the shared one if count = 2) as two chains, each
 // GEMM in slot j of the MLP: `down` computes dgu, w h = SwiGLU'(w (dy_r @ w_down^T)) and the
 // parts of dweights, `dx` then dx_r = dgu @ [w_gate | w_up]^T.
@@ -69,19 +89,14 @@ const char* DataGradChains(const MlpGrads* mlps, int count, ChainParams* down_ch
     const int H = static_cast<int>(g.H), I = static_cast<int>(g.I);
     // dh = dy_r @ w_down^T; B(n, k) = w_down[group * I + n, k].
     GemmParams& down = down_chain->gemm[j];
-    down = sm90::RowGroups(g.offsets, g.block_m, g.groups, g.m, g.m_expected);
-    down.n = I, down.k = H, down.k_split = H, down.n_split = I;
-    down.aux = static_cast<const __nv_bfloat16*>(g.gu), down.out0 = g.dgu, down.out1 = g.h;
-    down.row_tokens = g.row_tokens, down.row_scale = g.row_scale;
-    down.dw_parts = g.dw_parts, down.dw_part_cols = static_cast<int>(DwPartCols(g.I));
+    down = DownGrad(g);
     if (auto err = sm90::PrepareGemm<sm90::BwdDown>(down, {g.dy_r, H, g.m},
                                                     {g.w_down, H, g.groups * g.I}, {}))
       return err;
     // dx_r = [dg | du] @ [w_gate | w_up]^T; B(n, k) = w_gate[group * H + n, k] (k < I), then
     // w_up.
     GemmParams& up = dx_chain->gemm[j];
-    up = sm90::RowGroups(g.offsets, g.block_m, g.groups, g.m, g.m_expected);
-    up.n = H, up.k = 2 * I, up.k_split = I, up.n_split = H, up.out0 = g.dx_rows;
+    up = DxGrad(g);
     up.row_tokens = g.row_tokens;  // tails (kTail)
     if (auto err = sm90::PrepareGemm<sm90::BwdGateUp>(up, {g.dgu, 2 * g.I, g.m},
                                                       {g.w_gate, I, g.groups * g.H},
@@ -234,19 +249,14 @@ const char* DataGradChainsFp8(const MlpGrads* mlps, const Fp8Operands* q, int co
     const MlpGrads& g = mlps[j];
     const int H = static_cast<int>(g.H), I = static_cast<int>(g.I);
     GemmParams& down = down_chain->gemm[j];
-    down = sm90::RowGroups(g.offsets, g.block_m, g.groups, g.m, g.m_expected);
-    down.n = I, down.k = H, down.k_split = H, down.n_split = I;
-    down.aux = static_cast<const __nv_bfloat16*>(g.gu), down.out0 = g.dgu, down.out1 = g.h;
-    down.row_tokens = g.row_tokens, down.row_scale = g.row_scale;
-    down.dw_parts = g.dw_parts, down.dw_part_cols = static_cast<int>(DwPartCols(g.I));
+    down = DownGrad(g);
     down.b_scale0 = q[j].down_scale, down.b_scale_nk = true;
     if (auto err = sm90::PrepareGemmFp8<sm90::BwdDownFp8>(
             down, {q[j].dyq, H, g.m}, q[j].dyq_scale, q[j].pitch,
             {g.w_down, H, g.groups * g.I}, {}))
       return err;
     GemmParams& up = dx_chain->gemm[j];
-    up = sm90::RowGroups(g.offsets, g.block_m, g.groups, g.m, g.m_expected);
-    up.n = H, up.k = 2 * I, up.k_split = I, up.n_split = H, up.out0 = g.dx_rows;
+    up = DxGrad(g);
     up.b_scale0 = q[j].gate_scale, up.b_scale1 = q[j].up_scale, up.b_scale_nk = true;
     if (auto err = sm90::PrepareGemmFp8<sm90::BwdGateUpFp8>(
             up, {q[j].dguq, 2 * g.I, g.m}, q[j].dguq_scale, q[j].pitch,
