@@ -139,6 +139,28 @@ const char* LaunchWeightGrads(const MlpGrads* mlps, int count, int run_tiles, in
   return sm90::LaunchQueued<Kind, Kind>(c, stream);
 }
 
+// The weight gradients of the MLPs, in runs of tiles where WeightGradRunTiles finds them worth
+// it, on tile queue 2.
+const char* LaunchAllWeightGrads(const MlpGrads* mlps, int count, const MoeBwdArgs& a,
+                                 cudaStream_t stream) {
+  const int run_tiles = sm90::WeightGradRunTiles(CeilDiv(a.T * a.k, a.ranks), a.E);
+  return run_tiles > 1 ? LaunchWeightGrads<sm90::BwdWeightRuns>(mlps, count, run_tiles,
+                                                                 a.queue + 2, stream)
+                       : LaunchWeightGrads<sm90::BwdWeights>(mlps, count, run_tiles,
+                                                             a.queue + 2, stream);
+}
+
+// dx[t] = sum_j dx_r[pos[t, j]] in j order + the shared expert's dx; dweights[t, j] the sum of
+// its route's dw_parts.
+void LaunchDxCombine(const MoeBwdArgs& a, cudaStream_t stream) {
+  using bf16 = __nv_bfloat16;
+  sm90::CombineKernel<bf16, bf16><<<static_cast<unsigned>(CeilDiv(a.T, 8)), 256, 0, stream>>>(
+      static_cast<const bf16*>(a.dx_routed),
+      a.Is > 0 ? static_cast<const bf16*>(a.dx_shared) : nullptr, a.pos, nullptr, a.T,
+      static_cast<int>(a.k), static_cast<int>(a.H), static_cast<bf16*>(a.dx), a.dw_parts,
+      static_cast<int>(DwPartCols(a.I)), a.dweights);
+}
+
 }  // namespace
 
 const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
@@ -209,21 +231,13 @@ const char* LaunchMoeBwd(const MoeBwdArgs& a, cudaStream_t stream) {
   if (auto err = DataGradChains(mlps, mlp_count, &down, &dx)) return err;
   down.queue = a.queue + 1, dx.queue = a.queue + 3;
   if (auto err = sm90::LaunchQueued<sm90::BwdDown, sm90::BwdDown>(down, stream)) return err;
-  const int run_tiles = sm90::WeightGradRunTiles(CeilDiv(routes, a.ranks), a.E);
-  if (auto err = run_tiles > 1 ? LaunchWeightGrads<sm90::BwdWeightRuns>(
-                                     mlps, mlp_count, run_tiles, a.queue + 2, stream)
-                               : LaunchWeightGrads<sm90::BwdWeights>(mlps, mlp_count, run_tiles,
-                                                                     a.queue + 2, stream))
-    return err;
+  if (auto err = LaunchAllWeightGrads(mlps, mlp_count, a, stream)) return err;
   // dx_r and the weight gradients are separate launches rather than one that shares its CTAs
   // between the two chains: on an H200 this takes 1.6-6.5% less than one dual launch on the
   // four bench shapes, and dx_r can run in clusters of two where experts have few rows
   // (UseClusters) (docs/performance.md, The backward's dx_r and weight gradients apart).
   if (auto err = sm90::LaunchQueued<sm90::BwdGateUp, sm90::BwdGateUp>(dx, stream)) return err;
-  sm90::CombineKernel<bf16, bf16><<<static_cast<unsigned>(CeilDiv(a.T, 8)), 256, 0, stream>>>(
-      static_cast<const bf16*>(a.dx_routed),
-      a.Is > 0 ? static_cast<const bf16*>(a.dx_shared) : nullptr, a.pos, nullptr, a.T, k, H,
-      static_cast<bf16*>(a.dx), a.dw_parts, static_cast<int>(DwPartCols(a.I)), a.dweights);
+  LaunchDxCombine(a, stream);
   return Check(cudaGetLastError());
 }
 
@@ -321,19 +335,11 @@ const char* LaunchMoeBwdFp8(const MoeBwdFp8Args& f, cudaStream_t stream) {
         static_cast<const bf16*>(a.dgu_shared), a.T, nullptr, static_cast<int>(2 * a.Is),
         static_cast<uint8_t*>(f.dguq_shared), f.dguq_shared_scale, token_pitch);
   }
-  const int run_tiles = sm90::WeightGradRunTiles(CeilDiv(routes, a.ranks), a.E);
-  if (auto err = run_tiles > 1 ? LaunchWeightGrads<sm90::BwdWeightRuns>(
-                                     mlps, mlp_count, run_tiles, a.queue + 2, stream)
-                               : LaunchWeightGrads<sm90::BwdWeights>(mlps, mlp_count, run_tiles,
-                                                                     a.queue + 2, stream))
-    return err;
+  if (auto err = LaunchAllWeightGrads(mlps, mlp_count, a, stream)) return err;
   // dx_r last: it takes xs's buffer, which the weight gradients read (as LaunchMoeBwd's).
   if (auto err = sm90::LaunchQueued<sm90::BwdGateUpFp8, sm90::BwdGateUpFp8>(dx, stream))
     return err;
-  sm90::CombineKernel<bf16, bf16><<<static_cast<unsigned>(CeilDiv(a.T, 8)), 256, 0, stream>>>(
-      static_cast<const bf16*>(a.dx_routed),
-      a.Is > 0 ? static_cast<const bf16*>(a.dx_shared) : nullptr, a.pos, nullptr, a.T, k, H,
-      static_cast<bf16*>(a.dx), a.dw_parts, static_cast<int>(DwPartCols(a.I)), a.dweights);
+  LaunchDxCombine(a, stream);
   return Check(cudaGetLastError());
 }
 
