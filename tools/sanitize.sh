@@ -33,7 +33,7 @@ tools=("$@")
 # The frames whose plain loads read what the GEMMs wrote by TMA stores: the combine of y_routed
 # and dx_routed (line 50) and of the shared expert's output (55), the SwiGLU backward's loads
 # of gu (epilogue.cuh).
-TMA_READERS=("combine.cuh:50" "combine.cuh:55" "epilogue.cuh:232")
+TMA_READERS=("combine.cuh:50" "combine.cuh:55" "epilogue.cuh:241")
 export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform
 
 # Prints "N SITE TMA" a line for the reports in log $1: SITE the innermost device frame's
