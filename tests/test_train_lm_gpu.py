@@ -1,5 +1,6 @@
 """examples/train_lm.py on a GPU with its MoE layers on the CUDA kernel and on the XLA backend:
-the same seed, batches and bf16 compute give the same loss curve, to bf16 rounding.
+the same seed, batches and bf16 compute give the same loss curve, to bf16 rounding; and with
+--precision fp8 (the FP8 kernels) a held-out loss within 2% of bf16's.
 
 The two backends round at the same points but accumulate in other orders, so their first losses
 agree to a few bf16 ulps of the logits; Adam then turns ulp-level gradient differences into
@@ -80,3 +81,23 @@ def test_cuda_and_xla_backends_give_the_same_loss_curve(tmp_path, layers):
   (_, cuda_eval), = result["runs"]["cuda"]["eval"]
   (_, xla_eval), = result["runs"]["xla"]["eval"]
   assert cuda_eval == pytest.approx(xla_eval, rel=STEP_RTOL)
+
+
+# examples/train_lm.py --precision fp8 against bf16 on the CUDA kernels, the example's defaults
+# otherwise: the held-out loss after the same steps within 2% (issue 65's bar). On one H100
+# (2026-12-08, 300 steps, from the command line): 2.000 nats/byte against bf16's 1.988.
+FP8_STEPS = 300
+FP8_EVAL_RTOL = 2e-2
+
+
+def test_fp8_trains_like_bf16(tmp_path):
+  example = load_example()
+  final = {}
+  for precision in ("bf16", "fp8"):
+    out = tmp_path / precision
+    summary = example.main(["--backend", "cuda", "--precision", precision, "--steps",
+                            str(FP8_STEPS), "--sample-len", "0", "--no-progress", "--out",
+                            str(out)])
+    final[precision] = summary["final_held_out_loss"]
+  print(json.dumps(final))
+  assert final["fp8"] == pytest.approx(final["bf16"], rel=FP8_EVAL_RTOL)
