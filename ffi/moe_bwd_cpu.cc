@@ -100,7 +100,8 @@ struct ExactProducts {
     const S* g = shared ? wsg + h * I : wg + (e * d.H + h) * I;
     const S* u = shared ? wsu + h * I : wu + (e * d.H + h) * I;
     float dx = 0.0f;
-    for (int64_t i = 0; i < I; ++i) dx += Load(dgu_row[i]) * Load(g[i]) + Load(dgu_row[I + i]) * Load(u[i]);
+    for (int64_t i = 0; i < I; ++i)
+      dx += Load(dgu_row[i]) * Load(g[i]) + Load(dgu_row[I + i]) * Load(u[i]);
     return dx;
   }
 };
@@ -319,7 +320,8 @@ struct Fp8Products {
         const int64_t p = pos[t * d.k + j];
         if (p >= 0) QuantizeRow(H, row.data(), dyq + p * H, dyq_scale + p, pitch);
       }
-      if (d.Is > 0) QuantizeRow(H, row.data(), dyq_shared + t * H, dyq_shared_scale + t, token_pitch);
+      if (d.Is > 0)
+        QuantizeRow(H, row.data(), dyq_shared + t * H, dyq_shared_scale + t, token_pitch);
     }
   }
   static uint8_t* u8(ffi::AnyBuffer b) { return b.reinterpret_data<uint8_t>(); }

@@ -694,7 +694,7 @@ def bwd_fp8_results(dims: MoeDims, block_m) -> tuple:
   Ts = T if Is else 0
   b = FP8_BLOCK
   sds, e4m3, f32 = jax.ShapeDtypeStruct, quantize.E4M3, jnp.float32
-  return (*bwd_results(dims, CUDA_DTYPE, block_m), *_in_order(BWD_FP8_RESULTS[len(BWD_RESULTS):], dict(
+  fp8 = _in_order(BWD_FP8_RESULTS[len(BWD_RESULTS):], dict(
       dyq=sds((R, H), e4m3),
       dyq_scale=sds((H // b, fp8_scale_pitch(R)), f32),
       dyq_shared=sds((Ts, H), e4m3),
@@ -703,7 +703,8 @@ def bwd_fp8_results(dims: MoeDims, block_m) -> tuple:
       dguq_scale=sds((2 * I // b, fp8_scale_pitch(R)), f32),
       dguq_shared=sds((T, 2 * Is), e4m3),
       dguq_shared_scale=sds((2 * Is // b, fp8_scale_pitch(T)), f32),
-  )))
+  ))
+  return (*bwd_results(dims, CUDA_DTYPE, block_m), *fp8)
 
 
 def moe_bwd_fp8(dy, x, experts, weights, w_gate, w_up, w_down, shared, residuals: Fp8Residuals,
@@ -725,7 +726,8 @@ def moe_bwd_fp8(dy, x, experts, weights, w_gate, w_up, w_down, shared, residuals
   if _shape(dy) != (T, H) or jnp.dtype(dy.dtype) != CUDA_DTYPE:
     raise ValueError(f"moe_bwd_fp8: dy must be ({T}, {H}) {CUDA_DTYPE}, got {dy.dtype} "
                      f"{_shape(dy)}")
-  want = fwd_fp8_results(dims, CUDA_DTYPE, block_m, keep_gu=True)[1:1 + len(Fp8Residuals._fields)]
+  kept = fwd_fp8_results(dims, CUDA_DTYPE, block_m, keep_gu=True)
+  want = kept[1:1 + len(Fp8Residuals._fields)]
   residuals = Fp8Residuals(*residuals[:len(Fp8Residuals._fields)])
   for name, spec, got in zip(Fp8Residuals._fields, want, residuals):
     if _shape(got) != spec.shape or jnp.dtype(got.dtype) != spec.dtype:

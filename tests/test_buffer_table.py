@@ -1,7 +1,8 @@
 """The targets' buffers are listed once, in mok_jax.ops (FWD_OPERANDS, FWD_RESULTS, BWD_OPERANDS,
-BWD_RESULTS, BWD_ALIASES, and the FP8 targets' FWD_FP8_*, BWD_FP8_*) and, for the NVLink transport's, mok_jax.ep_transport (DISPATCH_*,
-COMBINE_*): the C++ bindings, the argument structs, every handler's parameters and
-docs/design.md must name the same buffers in the same order."""
+BWD_RESULTS, BWD_ALIASES, and the FP8 targets' FWD_FP8_*, BWD_FP8_*) and, for the NVLink
+transport's, mok_jax.ep_transport (DISPATCH_*, COMBINE_*): the C++ bindings, the argument
+structs, every handler's parameters and docs/design.md must name the same buffers in the same
+order."""
 
 from __future__ import annotations
 
