@@ -66,8 +66,9 @@ def parse_args(argv=None):
                  help="compute dtype; auto: bfloat16 on a GPU, float32 on a CPU")
   g.add_argument("--ep", type=int, default=1, help="expert-parallel devices")
   g.add_argument("--precision", choices=("bf16", "fp8", "mxfp8"), default="bf16",
-                 help="the expert products' numerics (mok_jax.Config.precision); fp8 and mxfp8 "
-                 "run on the xla backend so far")
+                 help="the expert products' numerics (mok_jax.Config.precision): fp8 in the "
+                 "CUDA kernels and the C++ CPU target (d-model, expert-size, shared-size "
+                 "multiples of 128), mxfp8 on the xla backend")
   g = p.add_argument_group("output")
   g.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/train_lm"))
   g.add_argument("--ckpt-dir", type=pathlib.Path, default=None, help="default: OUT/ckpt")

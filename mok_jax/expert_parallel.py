@@ -34,7 +34,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from mok_jax import ep_transport, ops, reference
+from mok_jax import ep_transport, ops, quantize, reference
 from mok_jax.config import Config
 
 
@@ -173,7 +173,10 @@ class XlaPieces(NamedTuple):
 class FfiPieces(NamedTuple):
   """The routed layer's parts on the FFI backends: the fused targets on routes of one row each
   (mok_moe_fwd with k = 1 and weight 1 gives each route's unweighted output, and mok_moe_bwd
-  with the route's weight its dx and dweights) and mok_moe_combine at home."""
+  with the route's weight its dx and dweights) and mok_moe_combine at home. With an FP8
+  Config.precision the FP8 targets (mok_moe_fwd_fp8, mok_moe_bwd_fp8) in their place, on each
+  expert weight quantized once a call (ops.fp8_weight): every row is quantized on its own, so
+  the bits are the fused call's."""
 
   config: Config
   ranks: int
@@ -182,11 +185,28 @@ class FfiPieces(NamedTuple):
     out = f(x, *args, **kw)
     return reference.vary(out, reference.varying_axes(x))
 
+  @property
+  def fp8(self) -> bool:
+    return self.config.precision != "bf16"
+
+  def _fp8_fwd(self, x, experts, weights, blocks, shared_blocks, keep, ranks):
+    """mok_moe_fwd_fp8: y, and the residuals of mok_moe_bwd_fp8 when keep."""
+    y, buffers = self._call(ops.moe_fwd_fp8, x, experts, weights, *blocks, shared_blocks,
+                            out_dtype=x.dtype, block_m=self.config.block_m, ranks=ranks,
+                            keep_gu=keep)
+    return y, ops.Fp8Residuals(*buffers[:len(ops.Fp8Residuals._fields)]) if keep else None
+
   def experts_fwd(self, x_rows, ids, weights, keep=True):
     # keep=False (not differentiated): the recompute mode, which keeps and writes no gu; y has
     # the same bits.
     N = x_rows.shape[0]
     ones = jnp.ones((N, 1), jnp.float32)
+    if self.fp8:
+      # Config.recompute: the backward runs the forward again for its residuals.
+      blocks = tuple(map(ops.fp8_weight, weights))
+      rows, res = self._fp8_fwd(x_rows, ids[:, None], ones, blocks, None,
+                                keep and not self.config.recompute, self.ranks)
+      return rows, (x_rows, ids, weights, (blocks, res))
     rows, res = self._call(ops.moe_fwd, x_rows, ids[:, None], ones, *weights, None,
                            out_dtype=x_rows.dtype, block_m=self.config.block_m,
                            recompute=self.config.recompute or not keep, ranks=self.ranks)
@@ -194,6 +214,16 @@ class FfiPieces(NamedTuple):
 
   def experts_bwd(self, res, dy_rows, w_rows):
     x_rows, ids, weights, residuals = res
+    if self.fp8:
+      blocks, kept = residuals
+      if kept is None:
+        ones = jnp.ones((x_rows.shape[0], 1), jnp.float32)
+        kept = self._fp8_fwd(x_rows, ids[:, None], ones, blocks, None, True, self.ranks)[1]
+      g = self._call(ops.moe_bwd_fp8, dy_rows.astype(x_rows.dtype), x_rows, ids[:, None],
+                     w_rows[:, None], *blocks, None, kept, block_m=self.config.block_m,
+                     ranks=self.ranks)
+      return g.x, g.weights[:, 0], tuple(
+          map(quantize.master_cotangent, weights, (g.w_gate, g.w_up, g.w_down)))
     g = self._call(ops.moe_bwd, dy_rows, x_rows, ids[:, None], w_rows[:, None], *weights, None,
                    residuals, block_m=self.config.block_m, recompute=self.config.recompute,
                    ranks=self.ranks)
@@ -214,6 +244,11 @@ class FfiPieces(NamedTuple):
 
   def shared_fwd(self, x, shared, keep=True):
     routes = self._no_routes(x, shared)
+    if self.fp8:
+      experts, weights, *none = routes
+      blocks = tuple(map(ops.fp8_weight, none)), tuple(map(ops.fp8_weight, shared))
+      y, res = self._fp8_fwd(x, experts, weights, *blocks, keep and not self.config.recompute, 1)
+      return y, (x, shared, (blocks, res))
     y, res = self._call(ops.moe_fwd, x, *routes, shared, out_dtype=x.dtype,
                         block_m=self.config.block_m, recompute=self.config.recompute or not keep,
                         ranks=1)
@@ -221,7 +256,15 @@ class FfiPieces(NamedTuple):
 
   def shared_bwd(self, saved, dy):
     x, shared, res = saved
-    g = self._call(ops.moe_bwd, dy, x, *self._no_routes(x, shared), shared, res,
+    experts, weights, *none = self._no_routes(x, shared)
+    if self.fp8:
+      (blocks, shared_blocks), kept = res
+      if kept is None:
+        kept = self._fp8_fwd(x, experts, weights, blocks, shared_blocks, True, 1)[1]
+      g = self._call(ops.moe_bwd_fp8, dy.astype(x.dtype), x, experts, weights, *blocks,
+                     shared_blocks, kept, block_m=self.config.block_m, ranks=1)
+      return g.x, tuple(map(quantize.master_cotangent, shared, g.shared))
+    g = self._call(ops.moe_bwd, dy, x, experts, weights, *none, shared, res,
                    block_m=self.config.block_m, recompute=self.config.recompute, ranks=1)
     return g.x, g.shared
 

@@ -9,7 +9,6 @@ number of ranks. Dropless unless Config.ep_capacity bounds the rows a rank sends
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -189,7 +188,7 @@ def _layer(x, experts, weights, w_gate, w_up, w_down, shared=None, *, axis_name,
   dims = ops.check_moe_args(x, experts, weights, w_gate, w_up, w_down, shared)
   n_ranks = 1 if axis_name is None else jax.lax.axis_size(axis_name)
   weights = weights.astype(jnp.float32)
-  fused = _fused_impl(backend, x.dtype, dims, config, expert_parallel=axis_name is not None)
+  fused = _fused_impl(backend, x.dtype, dims, config)
   if fused is not None and axis_name is None:
     return fused(x, _local_ids(experts, dims.E), weights, w_gate, w_up, w_down, shared)
   pieces = (expert_parallel.XlaPieces(precision=config.precision) if fused is None else
@@ -253,11 +252,11 @@ def _local_ids(experts, n_local):
   return jnp.where(mine, experts, -1).astype(jnp.int32)
 
 
-def _fused_impl(backend, dtype, dims, config, expert_parallel=False):
+def _fused_impl(backend, dtype, dims, config):
   """The FFI targets' fused single-rank layer for `backend` (None: the XLA backend's layer,
   mok_jax.expert_parallel with reference.py's math), or an error saying why `backend` cannot
-  run here. expert_parallel: the layer runs under an axis_name (the FP8 kernels have no
-  expert-parallel path)."""
+  run here. Under an axis_name the same targets run on the routed rows
+  (expert_parallel.FfiPieces)."""
   if backend not in BACKENDS:
     raise ValueError(f"moe: backend must be one of {BACKENDS}, got {backend!r}")
   if backend == "xla":
@@ -269,9 +268,6 @@ def _fused_impl(backend, dtype, dims, config, expert_parallel=False):
       problem = ops.fp8_unsupported_reason(dtype, dims, config)
     else:
       problem = ops.cuda_unsupported_reason(platform, dtype, dims, config)
-    if problem is None and expert_parallel:
-      problem = ("the FP8 kernels have no expert-parallel path; FP8 under axis_name runs on "
-                 "backend='xla' (or 'auto', which picks it)")
     if backend == "auto":
       return None if problem else functools.partial(_moe_fp8, config=config)
     if problem:
@@ -407,14 +403,6 @@ def _moe_fp8_fwd(config, x, experts, weights, w_gate, w_up, w_down, shared):
   return y, (args, kept)
 
 
-def _weight_grad(w, g):
-  """The cotangent of a weight argument: g w.r.t. an array, or w.r.t. a QuantizedWeight's
-  master (its blocks get zeros, as reference.quantized_dot gives them)."""
-  if isinstance(w, quantize.QuantizedWeight):
-    return dataclasses.replace(jax.tree.map(jnp.zeros_like, w), master=g.astype(w.dtype))
-  return g.astype(w.dtype)
-
-
 def _moe_fp8_bwd(config, saved, dy):
   args, kept = saved
   x, experts, weights, w_gate, w_up, w_down, shared = args
@@ -424,9 +412,10 @@ def _moe_fp8_bwd(config, saved, dy):
   grads = ops.moe_bwd_fp8(dy.astype(x.dtype), x, experts, weights, *blocks, shared_blocks,
                           residuals, block_m=config.block_m)
   grads = reference.vary(grads, reference.varying_axes(x))
-  d_shared = None if shared is None else tuple(map(_weight_grad, shared, grads.shared))
-  return (grads.x, None, grads.weights, _weight_grad(w_gate, grads.w_gate),
-          _weight_grad(w_up, grads.w_up), _weight_grad(w_down, grads.w_down), d_shared)
+  cotangent = quantize.master_cotangent
+  d_shared = None if shared is None else tuple(map(cotangent, shared, grads.shared))
+  return (grads.x, None, grads.weights, cotangent(w_gate, grads.w_gate),
+          cotangent(w_up, grads.w_up), cotangent(w_down, grads.w_down), d_shared)
 
 
 _moe_fp8_vjp.defvjp(_moe_fp8_fwd, _moe_fp8_bwd)

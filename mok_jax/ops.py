@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mok_jax import _mok_cpu, quantize
+from mok_jax import _mok_cpu, quantize, reference
 from mok_jax.config import Config
 
 try:
@@ -587,16 +587,19 @@ def quantize_weight(w) -> tuple[quantize.Blocks, jax.Array]:
              jax.ShapeDtypeStruct(quantize.scale_shape(shape, block), jnp.float32))
 
   def target(w):
-    return jax.ffi.ffi_call("mok_quantize_weight", results, vmap_method="broadcast_all")(w)
+    # Under shard_map a custom call's results vary over no axis; the weight's do (XLA's
+    # quantizer, the other branch, keeps them).
+    out = jax.ffi.ffi_call("mok_quantize_weight", results, vmap_method="broadcast_all")(w)
+    return reference.vary(out, reference.varying_axes(w))
 
-  def reference(w):
+  def xla_quantizer(w):
     q = quantize.quantize(w, block, "fp8")
     return q.data, jnp.swapaxes(q.data, -1, -2), q.scale
 
   per_platform = {"cpu": target}
   if has_cuda_target("mok_quantize_weight"):
     per_platform["cuda"] = target
-  data, k_major, scale = jax.lax.platform_dependent(w, default=reference, **per_platform)
+  data, k_major, scale = jax.lax.platform_dependent(w, default=xla_quantizer, **per_platform)
   return quantize.Blocks(data, scale), k_major
 
 

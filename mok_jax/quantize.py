@@ -231,6 +231,15 @@ class QuantizedWeight:
     return dequantize(q, weight_block(self.recipe, reduce_axis))
 
 
+def master_cotangent(w, g):
+  """The cotangent of a weight argument whose gradient w.r.t. the array it stands for is g: g
+  itself for an array, a QuantizedWeight of zeros but its master for a quantized one (an FP8
+  layer's weight gradient never reads the blocks' values; reference.quantized_dot)."""
+  if isinstance(w, QuantizedWeight):
+    return dataclasses.replace(jax.tree.map(jnp.zeros_like, w), master=g.astype(w.dtype))
+  return g.astype(w.dtype)
+
+
 def _orientations(recipe):
   """The reduce axes whose weight blocks differ: -2 (the forward), and -1 (the data gradient)
   unless the forward's blocks serve it too."""

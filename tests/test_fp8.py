@@ -14,7 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 import mok_jax
 import fp8_cases
-from cases import (BF16, F32, GRAD_NAMES, assert_same_bits, distinct_experts, loss_and_grads,
+from cases import (BF16, F32, GRAD_NAMES, assert_ep_bits, assert_same_bits, distinct_experts,
+                   loss_and_grads,
                    make_case, mesh_of, named_grads, sharded_loss_and_grads)
 from fp8_cases import numpy_quantize
 from mok_jax import ops, quantize, reference
@@ -188,20 +189,26 @@ def test_fp8_target_refusals(change, message):
   assert_same_bits(y, want, "auto")
 
 
-def test_fp8_target_has_no_expert_parallel_path():
-  case = make_case(T=16, H=128, I=128, E=4, k=2, dtype=BF16)
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_fp8_target_under_expert_parallelism(ep):
+  """backend 'ffi' with precision 'fp8' under shard_map: the FP8 targets on the routed rows
+  (expert_parallel.FfiPieces) give the fused single-device call's bits for y and every gradient
+  (the shared expert's weight gradients, which ranks sum, to rounding), invalid ids included;
+  'auto' on a CPU takes the XLA backend, as without an axis."""
+  rng = np.random.default_rng(2)
+  experts = distinct_experts(rng, 24, 3, 8)
+  experts[1, 2], experts[10, 0] = -1, 8
+  case = make_case(T=24, H=128, I=128, E=8, k=3, Is=128, dtype=BF16, seed=2, experts=experts)
   fp8 = mok_jax.Config(precision="fp8")
-
-  def layer(backend):
-    return jax.shard_map(
-        lambda x, e, w, g, u, d: mok_jax.moe(x, e, w, g, u, d, axis_name="ep", config=fp8,
-                                            backend=backend),
-        mesh=mesh_of(2), in_specs=P("ep"), out_specs=P("ep"))
-
-  args = (case.x, jnp.asarray(case.experts), case.weights, case.w_gate, case.w_up, case.w_down)
-  with pytest.raises(ValueError, match="the FP8 kernels have no expert-parallel path"):
-    jax.jit(layer("ffi"))(*args)
-  assert_same_bits(jax.jit(layer("auto"))(*args), jax.jit(layer("xla"))(*args), "auto under EP")
+  want_y, want = loss_and_grads(case, "ffi", fp8)
+  y, grads = sharded_loss_and_grads(case, "ffi", mesh_of(ep), P("ep"), P("ep"), "ep", fp8)
+  assert_ep_bits(y, grads, want_y, want, f"FP8 EP={ep}", BF16)
+  recomputed = sharded_loss_and_grads(case, "ffi", mesh_of(ep), P("ep"), P("ep"), "ep",
+                                      dataclasses.replace(fp8, recompute=True))
+  assert_ep_bits(*recomputed, want_y, want, f"FP8 EP={ep} recompute", BF16)
+  auto = sharded_loss_and_grads(case, "auto", mesh_of(ep), P("ep"), P("ep"), "ep", fp8)
+  xla = sharded_loss_and_grads(case, "xla", mesh_of(ep), P("ep"), P("ep"), "ep", fp8)
+  assert_same_bits(auto[0], xla[0], "auto under EP")
 
 
 def test_moe_fwd_fp8_checks_its_operands():
