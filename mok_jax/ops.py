@@ -359,7 +359,13 @@ def bwd_aliases(dims: MoeDims, recompute=False) -> dict:
   the backward those buffers; where one is still needed after it, XLA copies it first."""
   if recompute:
     return {}
-  return {BWD_OPERANDS.index(op): BWD_RESULTS.index(res) for op, res in BWD_ALIASES
+  return _aliases(dims, BWD_OPERANDS, BWD_RESULTS, BWD_ALIASES)
+
+
+def _aliases(dims: MoeDims, operands, results, pairs) -> dict:
+  """input_output_aliases of a backward target: (operand, result) pairs by index, gu_shared's
+  only with a shared expert (without one it is an empty buffer)."""
+  return {operands.index(op): results.index(res) for op, res in pairs
           if dims.Is > 0 or op != "gu_shared"}
 
 
@@ -739,8 +745,7 @@ def moe_bwd_fp8(dy, x, experts, weights, w_gate, w_up, w_down, shared, residuals
                        "keep_gu)")
   shared_q = _fp8_shared_or_empty(shared, H)
   operands = [a for q in (w_gate, w_up, w_down, *shared_q) for a in (q.data, q.scale)]
-  aliases = {BWD_FP8_OPERANDS.index(op): BWD_FP8_RESULTS.index(res)
-             for op, res in BWD_FP8_ALIASES if dims.Is > 0 or op != "gu_shared"}
+  aliases = _aliases(dims, BWD_FP8_OPERANDS, BWD_FP8_RESULTS, BWD_FP8_ALIASES)
   call = jax.ffi.ffi_call("mok_moe_bwd_fp8", bwd_fp8_results(dims, block_m),
                           vmap_method="sequential", input_output_aliases=aliases)
   dx, dweights, dw_gate, dw_up, dw_down, *dshared = call(
